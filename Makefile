@@ -1,0 +1,28 @@
+# The whole set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs what it needs; a second run reuses it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo test clean
+
+$(VENV)/.installed-core: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -e '.[examples]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-core
+	$(PIP) install -e '.[test,examples]'
+	# test-only oracle; the CPU wheel of this version is what the test machines carry
+	$(PIP) install 'torch==2.13.0' || echo "torch oracle not installed: parity tests will be skipped"
+	touch $@
+
+demo: $(VENV)/.installed-core
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
