@@ -90,10 +90,10 @@ def main():
     for name, loss_fn in runs:
         print(f"{name:30s} matmuls by dtype: {matmul_dtypes(jax.grad(loss_fn), params, windows)}")
         results.append(train(name, loss_fn, params, args, data))
-    print(f"\n{"run":30s} {'first loss':>10s} {'train loss':>10s} {'valid loss':>10s} "
+    print(f"\n{'run':30s} {'first loss':>10s} {'train loss':>10s} {'valid loss':>10s} "
           f"{'step ms':>8s}")
     for r in results:
-        print(f"{r["name"]:30s} {r['first']:10.3f} {r['train']:10.3f} {r['valid']:10.3f} "
+        print(f"{r['name']:30s} {r['first']:10.3f} {r['train']:10.3f} {r['valid']:10.3f} "
               f"{r['step_ms']:8.1f}")
     print("\nLosses are nats per byte (log 256 = 5.55 for a uniform guess). On a CPU, XLA emulates "
           "half precision, so mixed precision is not faster here; the point is equal loss.")
