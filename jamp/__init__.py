@@ -13,5 +13,17 @@ from jamp.policy import (
     half_dtype,
     properties,
 )
+from jamp import scaler
+from jamp.scaler import (
+    DynamicLossScale,
+    GradScaler,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    get_loss_scale,
+    loss_scaled,
+    scaled_value_and_grad,
+    select_tree,
+)
 
 __version__ = "0.1.0"

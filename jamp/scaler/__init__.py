@@ -1,1 +1,25 @@
-"""Loss scaling: jmp's loss scales, torch's GradScaler and an optax wrapper (issue 3)."""
+"""Loss scaling: jmp's loss scales, torch's GradScaler and an optax wrapper that skips bad steps.
+
+`import jamp.scaler as jmp` runs code written against jmp's loss-scaling API.
+"""
+
+from jamp.scaler import serialization as _serialization  # registers the flax state dicts
+from jamp.scaler.grad_scaler import GradScaler, GradScalerState
+from jamp.scaler.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+from jamp.scaler.optax_wrapper import LossScaledState, get_loss_scale, loss_scaled
+from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
+
+del _serialization
+
+__all__ = [
+    "DynamicLossScale", "GradScaler", "GradScalerState", "LossScale", "LossScaledState",
+    "NoOpLossScale", "ScaledValueAndGrad", "StaticLossScale", "all_finite", "get_loss_scale",
+    "loss_scaled", "scaled_value_and_grad", "select_tree",
+]

@@ -1,0 +1,321 @@
+"""torch's `GradScaler` in functional form.
+
+`GradScaler` holds the settings (Python numbers, like torch's); the changing part, the scale
+and the growth tracker, lives in a `GradScalerState` pytree that the caller threads through
+its step. The update is torch's `_amp_update_scale_` rule, the unscale multiplies by the
+float32 reciprocal of the scale, and `state_dict` / `load_state_dict` speak torch's five keys,
+so a checkpoint moves between torch and jamp in both directions.
+
+Settings are read when a function is traced, as constants: after a `set_*` call, re-trace
+(build the jitted step again) for the change to reach an already compiled function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp.scaler._checks import (
+    check_backoff_factor,
+    check_growth_factor,
+    check_interval,
+    check_positive,
+    concrete_float,
+)
+from jamp.scaler.loss_scale import all_finite, map_floating
+
+T = TypeVar("T")
+
+_EMPTY_STATE_DICT = ("The source state dict is empty, possibly because it was saved from a "
+                     "disabled instance of GradScaler.")
+_STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                    "_growth_tracker")
+
+
+def _times(scale: jax.Array, factor: float) -> jax.Array:
+    """`scale * factor` rounded to float32 the way torch's CPU kernel does it.
+
+    torch multiplies the float32 scale by the factor in double and rounds the product to
+    float32. With x64 enabled jamp does the same; otherwise the factor is rounded to float32
+    first, which gives the same bits whenever the factor is a float32 number (2.0, 0.5, 0.25,
+    0.75, 1.5, ...: every default and every power of two).
+    """
+    if jax.config.jax_enable_x64:
+        return (scale.astype(jnp.float64) * np.float64(factor)).astype(jnp.float32)
+    return scale * np.float32(factor)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class GradScalerState:
+    """The changing part of a `GradScaler`, a pytree; also a loss scale object.
+
+    Leaves: `loss_scale` (float32 scalar, torch's `_scale`) and `growth_tracker` (int32 scalar,
+    the count of recent consecutive finite steps). Static: the settings it was made with, so
+    that `scale`, `unscale` and `adjust` work on their own, e.g. inside `loss_scaled`.
+
+    Attributes:
+      loss_scale: the current scale.
+      growth_tracker: consecutive finite steps since the last growth or back-off.
+      growth_factor: what the scale is multiplied by after `growth_interval` finite steps.
+      backoff_factor: what the scale is multiplied by after a non-finite step.
+      growth_interval: finite steps needed to grow.
+      enabled: False makes every method a no-op, as a disabled torch GradScaler.
+    """
+
+    loss_scale: Any
+    growth_tracker: Any
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def tree_flatten(self):
+        meta = (self.growth_factor, self.backoff_factor, self.growth_interval, self.enabled)
+        return (self.loss_scale, self.growth_tracker), meta
+
+    @classmethod
+    def tree_unflatten(cls, meta, leaves) -> "GradScalerState":
+        return cls(*leaves, *meta)
+
+    def scale(self, outputs: T) -> T:
+        """Multiplies the floating leaves of `outputs` by the scale (torch's dtype rule).
+
+        As in torch, an output with dimensions keeps its dtype, while a 0-d output (a loss)
+        is promoted with the float32 scale, so a float16 loss is scaled in float32.
+        """
+        if not self.enabled:
+            return outputs
+
+        def scale_leaf(x):
+            x = jnp.asarray(x)
+            if x.ndim == 0:
+                return x * self.loss_scale
+            return (x * self.loss_scale).astype(x.dtype)
+
+        return map_floating(scale_leaf, outputs)
+
+    def unscale(self, grads: T) -> T:
+        """Multiplies the floating leaves of `grads` by the float32 reciprocal of the scale.
+
+        Half-precision grads are multiplied in float32 and rounded back, as torch's kernel
+        does; every grad keeps its dtype. Other leaves pass through.
+        """
+        if not self.enabled:
+            return grads
+        # torch takes the reciprocal in double and rounds it to float32; float32 division is
+        # correctly rounded, and 1/s for a float32 s is never a double-rounding tie.
+        inv = (1.0 / self.loss_scale.astype(jnp.float32)).astype(jnp.float32)
+
+        def unscale_leaf(g):
+            g = jnp.asarray(g)
+            if jnp.finfo(g.dtype).bits < 32:
+                return (g.astype(jnp.float32) * inv).astype(g.dtype)
+            return g * inv.astype(g.dtype)
+
+        return map_floating(unscale_leaf, grads)
+
+    def adjust(self, grads_finite: jax.Array) -> "GradScalerState":
+        """torch's `_amp_update_scale_` rule, with `found_inf = not grads_finite`."""
+        if not self.enabled:
+            return self
+        found_inf = jnp.logical_not(jnp.asarray(grads_finite))
+        if found_inf.ndim != 0:
+            raise ValueError(f"grads_finite must be a scalar bool, got shape {found_inf.shape}.")
+        scale = self.loss_scale
+        successful = self.growth_tracker + 1
+        grow = successful == self.growth_interval
+        grown = _times(scale, self.growth_factor)
+        on_finite = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+        new_scale = jnp.where(found_inf, _times(scale, self.backoff_factor), on_finite)
+        tracker = jnp.where(found_inf | grow, jnp.zeros_like(successful), successful)
+        return dataclasses.replace(self, loss_scale=new_scale.astype(jnp.float32),
+                                   growth_tracker=tracker.astype(jnp.int32))
+
+
+class GradScaler:
+    """torch's `GradScaler`, functional: the scale lives in a state you pass in and get back.
+
+    Args:
+      init_scale: the first scale (torch's 2**16).
+      growth_factor: multiplies the scale after `growth_interval` consecutive finite steps;
+        must be > 1.
+      backoff_factor: multiplies the scale after a step with inf or nan grads; in (0, 1).
+      growth_interval: consecutive finite steps between growths; an integer >= 1.
+      enabled: False makes `scale`, `unscale` and `update` no-ops and `get_scale` 1.0.
+
+    Raises:
+      ValueError: a setting out of range (checked when enabled, as torch does).
+
+    Example:
+      >>> scaler = GradScaler()
+      >>> state = scaler.init()
+      >>> grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+      >>> grads, found_inf = scaler.unscale(state, grads)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> params = select_tree(found_inf, params, optax.apply_updates(params, updates))
+      >>> state = scaler.update(state, found_inf)
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True):
+        self._enabled = bool(enabled)
+        if self._enabled:
+            check_positive("init_scale", init_scale)
+            check_growth_factor("growth_factor", growth_factor)
+            check_backoff_factor("backoff_factor", backoff_factor)
+            growth_interval = check_interval("growth_interval", growth_interval)
+        self._init_scale = init_scale
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = 0
+
+    def __repr__(self) -> str:
+        return (f"GradScaler(init_scale={self._init_scale!r}, growth_factor="
+                f"{self._growth_factor!r}, backoff_factor={self._backoff_factor!r}, "
+                f"growth_interval={self._growth_interval!r}, enabled={self._enabled!r})")
+
+    def _state(self, scale, tracker) -> GradScalerState:
+        if not self._enabled:
+            scale, tracker = 1.0, 0
+        return GradScalerState(
+            jnp.asarray(scale, jnp.float32), jnp.asarray(tracker, jnp.int32),
+            float(self._growth_factor), float(self._backoff_factor),
+            int(self._growth_interval), self._enabled)
+
+    def init(self) -> GradScalerState:
+        """A fresh state: the scale at `init_scale` (1.0 when disabled), the tracker at 0."""
+        return self._state(self._init_scale, self._init_growth_tracker)
+
+    def scale(self, state: GradScalerState, outputs: T) -> T:
+        """Multiplies `outputs` (a loss, or any pytree) by the scale; identity when disabled."""
+        if not self._enabled:
+            return outputs
+        return state.scale(outputs)
+
+    def unscale(self, state: GradScalerState, grads: T) -> tuple[T, jax.Array]:
+        """Unscales `grads` and reports whether any floating leaf holds inf or nan.
+
+        Returns:
+          `(grads, found_inf)`: the grads times the float32 reciprocal of the scale, each in
+          its own dtype, and a scalar bool, True when the step must be skipped. Disabled:
+          the grads untouched and False.
+        """
+        if not self._enabled:
+            return grads, jnp.array(False)
+        unscaled = state.unscale(grads)
+        return unscaled, jnp.logical_not(all_finite(unscaled))
+
+    def update(self, state: GradScalerState, found_inf: Any = None,
+               new_scale: Any = None) -> GradScalerState:
+        """The state after this step: torch's `_amp_update_scale_` rule.
+
+        Args:
+          state: the current state.
+          found_inf: what `unscale` returned (a bool, or torch's float 0./1.; several
+            optimizers' flags may be OR-ed together first).
+          new_scale: set the scale to this value instead (the tracker is kept, as in torch).
+
+        Raises:
+          ValueError: neither `found_inf` nor `new_scale` given, or a bad `new_scale`.
+        """
+        if not self._enabled:
+            return state
+        if new_scale is not None:
+            check_positive("new_scale", new_scale)
+            return self._state(jnp.asarray(new_scale, jnp.float32).reshape(()),
+                               state.growth_tracker)
+        if found_inf is None:
+            raise ValueError("update needs found_inf (from unscale) or a new_scale.")
+        found_inf = jnp.asarray(found_inf).astype(jnp.bool_)
+        current = self._state(state.loss_scale, state.growth_tracker)
+        return current.adjust(jnp.logical_not(found_inf))
+
+    def get_scale(self, state: GradScalerState) -> float:
+        """The current scale as a Python float (1.0 when disabled); traced, a float32 scalar."""
+        if not self._enabled:
+            return 1.0
+        value = concrete_float(state.loss_scale)
+        return state.loss_scale if value is None else value
+
+    def get_growth_factor(self) -> float:
+        """The scale growth factor."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Sets the growth factor (> 1) used by later `update` calls and states."""
+        check_growth_factor("growth_factor", new_factor)
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        """The scale back-off factor."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Sets the back-off factor, in (0, 1), used by later `update` calls and states."""
+        check_backoff_factor("backoff_factor", new_factor)
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        """The number of consecutive finite steps between growths."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Sets the growth interval, an integer >= 1."""
+        self._growth_interval = check_interval("growth_interval", new_interval)
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales at all."""
+        return self._enabled
+
+    def state_dict(self, state: GradScalerState) -> dict[str, Any]:
+        """torch's five keys, as Python numbers; `{}` when disabled.
+
+        `scale` and `growth_factor`/`backoff_factor` are floats, `growth_interval` and
+        `_growth_tracker` ints: the dict loads into torch's `GradScaler.load_state_dict`.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": float(np.asarray(state.loss_scale)),
+            "growth_factor": float(self._growth_factor),
+            "backoff_factor": float(self._backoff_factor),
+            "growth_interval": int(self._growth_interval),
+            "_growth_tracker": int(np.asarray(state.growth_tracker)),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> GradScalerState:
+        """Takes torch's five keys (from jamp or torch), sets the settings, returns the state.
+
+        Disabled, this is a no-op returning `init()`, as in torch.
+
+        Raises:
+          RuntimeError: `state_dict` is empty (saved from a disabled scaler), torch's message.
+          KeyError: one of the five keys is missing.
+          ValueError: a value out of range.
+        """
+        if not self._enabled:
+            return self.init()
+        if len(state_dict) == 0:
+            raise RuntimeError(_EMPTY_STATE_DICT)
+        missing = [k for k in _STATE_DICT_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(f"GradScaler state dict lacks {missing}; expected {_STATE_DICT_KEYS}.")
+        scale = concrete_float(state_dict["scale"])
+        check_positive("scale", state_dict["scale"])
+        check_growth_factor("growth_factor", state_dict["growth_factor"])
+        check_backoff_factor("backoff_factor", state_dict["backoff_factor"])
+        interval = check_interval("growth_interval", state_dict["growth_interval"])
+        tracker = check_interval("_growth_tracker", int(state_dict["_growth_tracker"]) + 1) - 1
+        self._init_scale = scale
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = interval
+        self._init_growth_tracker = tracker
+        return self.init()

@@ -1,0 +1,275 @@
+"""jmp's loss scales (`NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`), `all_finite`
+and `select_tree`.
+
+Same fields, defaults, pytree leaves and update rule as jmp, so code written against jmp runs
+by changing the import. Where jamp differs, it is on purpose:
+
+- Only floating leaves are scaled, unscaled and checked; integer, bool and other leaves pass
+  through untouched and never count as non-finite (jmp multiplies every leaf).
+- `DynamicLossScale` keeps `min_loss_scale` (and Apex's optional `max_loss_scale`) in its static
+  pytree metadata, so they survive `jax.jit` (jmp's unflatten resets `min_loss_scale`).
+- Bad settings raise `ValueError` naming the value (jmp accepts them).
+- `StaticLossScale` compares and hashes by value, so one holding a concrete array can cross a
+  `jax.jit` boundary as static data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jamp.policy import is_floating_array
+from jamp.scaler._checks import check_growth_factor, check_interval, check_positive, concrete_float
+
+T = TypeVar("T")
+
+
+def is_floating(x: Any) -> bool:
+    """True for a floating array (JAX, numpy, tracer) or a Python float."""
+    return is_floating_array(x) or isinstance(x, float)
+
+
+def map_floating(fn, tree: T) -> T:
+    """Applies `fn` to the floating leaves of `tree`; every other leaf is returned as is."""
+    return jax.tree_util.tree_map(lambda x: fn(x) if is_floating(x) else x, tree)
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Whether every floating leaf of `tree` is free of inf and nan, as one scalar bool.
+
+    Integer, bool and non-array leaves are ignored; an empty tree is finite. The per-leaf
+    reductions fold into a single scalar on the device: no host round trip, no Python branch.
+    Under `jax.jit` with sharded leaves the result is one value for all devices.
+
+    Args:
+      tree: any pytree, e.g. gradients.
+      axis_name: a mapped axis (shard_map/pmap) over which replicas must agree: one replica
+        that sees a non-finite value makes the result False on all of them.
+
+    Returns:
+      A bool array of shape ().
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_floating(x)]
+    if not leaves:
+        finite = jnp.array(True)
+    else:
+        finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+    if axis_name is not None:
+        finite = agree_across(finite, axis_name)
+    return finite
+
+
+def agree_across(finite: jax.Array, axis_name: Any) -> jax.Array:
+    """AND of `finite` over the replicas of `axis_name` (psum of the non-finite flags)."""
+    return lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
+
+
+def select_tree(pred: jax.Array, a: T, b: T) -> T:
+    """Picks `a` where the scalar bool `pred` is True, else `b`, leaf by leaf.
+
+    Array leaves are selected with `lax.select` (no branch); leaves that are equal in both trees
+    (step counters held as Python ints, for instance) are kept.
+
+    Raises:
+      ValueError: if `pred` is not a scalar bool.
+    """
+    pred = jnp.asarray(pred)
+    if pred.ndim != 0 or pred.dtype != jnp.bool_:
+        raise ValueError(
+            f"select_tree expects a scalar bool predicate, got shape {pred.shape} and dtype "
+            f"{pred.dtype}.")
+
+    def pick(x, y):
+        if isinstance(x, jax.Array) or isinstance(y, jax.Array) or isinstance(x, np.ndarray):
+            return lax.select(pred, jnp.asarray(x), jnp.asarray(y))
+        if x is y or x == y:
+            return x
+        return jnp.where(pred, x, y)
+
+    return jax.tree_util.tree_map(pick, a, b)
+
+
+def _warn_if_not_floating(x: Any, name: str) -> None:
+    # jmp warns here too; a placeholder object() comes in while JAX rebuilds a tree.
+    if type(x) is object or isinstance(x, float):
+        return
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
+
+
+def _value_key(x: Any) -> Any:
+    """A hashable stand-in for a scalar: its value and dtype when concrete, else the object."""
+    v = concrete_float(x)
+    if v is None:
+        return x
+    return (v, str(np.asarray(x).dtype))
+
+
+def _from_key(key: Any) -> Any:
+    if isinstance(key, tuple):
+        value, dtype = key
+        return np.asarray(value, dtype)
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """A loss scale that does nothing: `scale` and `unscale` return their input."""
+
+    @property
+    def loss_scale(self) -> int:
+        return 1
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
+        del grads_finite
+        return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale:
+    """Scales and unscales by a fixed constant.
+
+    Example:
+      >>> ls = StaticLossScale(jnp.float32(128.0))
+      >>> ls.unscale(ls.scale(jnp.float32(3.0)))
+      Array(3., dtype=float32)
+    """
+
+    loss_scale: Any
+
+    def __post_init__(self):
+        check_positive("StaticLossScale.loss_scale", self.loss_scale)
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
+
+    def scale(self, tree: T) -> T:
+        return map_floating(lambda x: x * self.loss_scale, tree)
+
+    def unscale(self, tree: T) -> T:
+        inv = 1 / self.loss_scale
+        return map_floating(lambda x: x * inv, tree)
+
+    def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
+        del grads_finite
+        return self
+
+    # The whole object is static pytree data (jmp's layout), so it must hash by value.
+    def __eq__(self, other):
+        if self is other:
+            return True
+        if type(other) is not type(self):
+            return False
+        mine, theirs = _value_key(self.loss_scale), _value_key(other.loss_scale)
+        return isinstance(mine, tuple) and mine == theirs
+
+    def __hash__(self):
+        key = _value_key(self.loss_scale)
+        return hash(key) if isinstance(key, tuple) else id(self)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic loss scale (jmp's rule, with Apex's optional ceiling).
+
+    Every `period` consecutive finite steps the scale grows by `factor` (never to inf, never over
+    `max_loss_scale`); a non-finite step divides it by `factor` (never under `min_loss_scale`)
+    and resets the counter.
+
+    Leaves are `(loss_scale, counter)`; `period`, `factor`, `min_loss_scale` and
+    `max_loss_scale` are static.
+
+    Example:
+      >>> ls = DynamicLossScale(jnp.float32(2 ** 15))
+      >>> grads = ls.unscale(jax.grad(lambda p: ls.scale(loss(p)))(params))
+      >>> finite = all_finite(grads)
+      >>> ls = ls.adjust(finite)
+      >>> params = select_tree(finite, optax.apply_updates(params, updates), params)
+    """
+
+    loss_scale: Any
+    counter: Any = dataclasses.field(default_factory=lambda: np.zeros([], np.int32))
+    period: int = 2000
+    factor: Any = 2
+    min_loss_scale: Any = dataclasses.field(default_factory=lambda: np.ones([], np.float32))
+    max_loss_scale: Any = None
+
+    def __post_init__(self):
+        check_positive("DynamicLossScale.loss_scale", self.loss_scale)
+        check_interval("DynamicLossScale.period", self.period)
+        check_growth_factor("DynamicLossScale.factor", self.factor)
+        check_positive("DynamicLossScale.min_loss_scale", self.min_loss_scale)
+        if self.max_loss_scale is not None:
+            check_positive("DynamicLossScale.max_loss_scale", self.max_loss_scale)
+            lo, hi = concrete_float(self.min_loss_scale), concrete_float(self.max_loss_scale)
+            if lo is not None and hi is not None and hi < lo:
+                raise ValueError(
+                    f"DynamicLossScale.max_loss_scale must be >= min_loss_scale ({lo}), got "
+                    f"{self.max_loss_scale!r}.")
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
+        _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+
+    def scale(self, tree: T) -> T:
+        return map_floating(lambda x: x * self.loss_scale, tree)
+
+    def unscale(self, tree: T) -> T:
+        inv = 1 / self.loss_scale
+        return map_floating(lambda x: x * inv, tree)
+
+    def tree_flatten(self):
+        meta = (self.period, self.factor, _value_key(self.min_loss_scale),
+                _value_key(self.max_loss_scale))
+        return (self.loss_scale, self.counter), meta
+
+    @classmethod
+    def tree_unflatten(cls, meta, leaves) -> "DynamicLossScale":
+        # Built without __post_init__: JAX passes placeholder leaves here.
+        obj = object.__new__(cls)
+        period, factor, lo, hi = meta
+        for name, value in zip(
+                ("loss_scale", "counter", "period", "factor", "min_loss_scale",
+                 "max_loss_scale"),
+                (*leaves, period, factor, _from_key(lo), _from_key(hi))):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+        """The next loss scale, given whether this step's grads were finite."""
+        grads_finite = jnp.asarray(grads_finite)
+        if grads_finite.ndim != 0:
+            raise ValueError(f"grads_finite must be a scalar bool, got shape {grads_finite.shape}.")
+        grown = self.loss_scale * self.factor
+        if self.max_loss_scale is not None:
+            grown = jnp.minimum(grown, self.max_loss_scale)
+        grown = jnp.where(jnp.isfinite(grown), grown, self.loss_scale)
+        on_finite = jnp.where(self.counter == self.period - 1, grown, self.loss_scale)
+        on_overflow = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
+        loss_scale = jnp.where(grads_finite, on_finite, on_overflow).astype(
+            jnp.result_type(self.loss_scale))
+        counter = ((self.counter + 1) % self.period) * grads_finite
+        return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
+
+
+def _register_static(cls):
+    # jmp's layout: no leaves, the object itself is the static part.
+    jax.tree_util.register_pytree_node(cls, lambda x: ((), x), lambda x, _: x)
+
+
+_register_static(NoOpLossScale)
+_register_static(StaticLossScale)
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -1,0 +1,219 @@
+"""`loss_scaled`: an optax wrapper that unscales, checks, skips bad steps and adjusts the scale.
+
+The wrapper's state holds the loss scale (any of jmp's, or a `GradScalerState`) beside the
+inner optimizer's state. One `update`:
+
+1. unscales the incoming grads (which the caller computed from `loss_scale.scale(loss)`),
+2. folds the finiteness of every floating leaf into one scalar bool,
+3. runs the inner update on the unscaled grads, and keeps its result only when finite:
+   otherwise the updates are zeros and the inner state is the one from before, bit for bit,
+4. adjusts the scale (grow after a run of finite steps, back off after a bad one).
+
+Step 3 is a pair of `jnp.where`/`lax.select` selects, not a branch: XLA fuses them into the
+inner update, which is where the speed comes from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jamp.scaler.grad_scaler import GradScaler, GradScalerState
+from jamp.scaler.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    agree_across,
+    all_finite,
+    select_tree,
+)
+
+_LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale, GradScalerState)
+
+
+class LossScaledState(NamedTuple):
+    """State of `loss_scaled`.
+
+    Attributes:
+      loss_scale: the current loss scale (a `DynamicLossScale`, `StaticLossScale`,
+        `NoOpLossScale` or `GradScalerState`); with `num_losses=K > 1`, a tuple of K of them.
+      inner_state: the wrapped transformation's state, untouched by skipped steps.
+      total_steps: int32, every `update` call.
+      skipped_steps: int32, the calls whose grads held inf or nan (no update applied).
+      last_finite: bool, whether the latest call's grads were finite (applied).
+    """
+
+    loss_scale: Any
+    inner_state: optax.OptState
+    total_steps: jax.Array
+    skipped_steps: jax.Array
+    last_finite: jax.Array
+
+
+def as_loss_scale(loss_scale: Any) -> Any:
+    """Turns what `loss_scaled` accepts into a loss scale object.
+
+    None or "dynamic" -> torch's defaults (`GradScaler().init()`); a `GradScaler` -> its
+    `init()`; a number or numeric string -> `StaticLossScale` (Apex's `loss_scale=128.0`);
+    a loss scale object -> itself.
+    """
+    if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "dynamic"):
+        return GradScaler().init()
+    if isinstance(loss_scale, GradScaler):
+        return loss_scale.init()
+    if isinstance(loss_scale, _LOSS_SCALE_TYPES):
+        return loss_scale
+    if isinstance(loss_scale, (int, float, str)) and not isinstance(loss_scale, bool):
+        try:
+            value = float(loss_scale)
+        except ValueError:
+            value = None
+        if value is not None:
+            return StaticLossScale(jnp.float32(value))
+    raise ValueError(
+        f"loss_scale must be None, 'dynamic', a positive number, a GradScaler or one of "
+        f"{[t.__name__ for t in _LOSS_SCALE_TYPES]}, got {loss_scale!r}.")
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: Any = None,
+    *,
+    num_losses: int = 1,
+    axis_name: Any = None,
+    report: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps `inner` so that it takes scaled grads and skips steps whose grads are not finite.
+
+    Compute the grads of `get_loss_scale(opt_state).scale(loss)` and pass them to `update` as
+    they are. Extra keyword arguments of `update` go to `inner`. Clipping inside `inner`
+    (`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))`) sees unscaled grads,
+    Apex's rule.
+
+    Args:
+      inner: the optimizer to protect.
+      loss_scale: the starting loss scale: None or "dynamic" (torch's defaults), a
+        `GradScaler`, a `DynamicLossScale`/`StaticLossScale`/`NoOpLossScale`/`GradScalerState`,
+        or a number (a static scale). With `num_losses > 1`, one of these for all losses or a
+        sequence of `num_losses`.
+      num_losses: Apex's `num_losses`: K independent scales. `update` then takes a sequence
+        of K grad trees, the k-th from `get_loss_scale(opt_state, loss_id=k).scale(loss_k)`;
+        each is unscaled with its own scale, each scale adjusts to its own finiteness only,
+        and the unscaled grads are summed for the inner update, which is skipped if any of
+        them is not finite.
+      axis_name: a shard_map/pmap axis: replicas agree, so one replica that saw inf makes all
+        skip (the grads themselves are not averaged here). Not needed under `jax.jit` with
+        sharded arrays, where the check is global already.
+      report: print Apex's "Gradient overflow.  Skipping step, ..." line from the device
+        (`jax.debug.print`) on each skipped step.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
+
+    Raises:
+      ValueError: a bad `loss_scale` or `num_losses`.
+    """
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses must be an integer >= 1, got {num_losses!r}.")
+    if num_losses == 1:
+        initial = as_loss_scale(loss_scale)
+    else:
+        if isinstance(loss_scale, Sequence) and not isinstance(loss_scale, str):
+            if len(loss_scale) != num_losses:
+                raise ValueError(f"loss_scale has {len(loss_scale)} entries, but num_losses is "
+                                 f"{num_losses}.")
+            initial = tuple(as_loss_scale(ls) for ls in loss_scale)
+        else:
+            initial = (as_loss_scale(loss_scale),) * num_losses
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return LossScaledState(
+            loss_scale=initial,
+            inner_state=inner.init(params),
+            total_steps=jnp.zeros([], jnp.int32),
+            skipped_steps=jnp.zeros([], jnp.int32),
+            last_finite=jnp.array(True),
+        )
+
+    def update(updates, state, params=None, **extra_args):
+        if num_losses == 1:
+            scales, grad_trees = (state.loss_scale,), (updates,)
+        else:
+            scales, grad_trees = state.loss_scale, tuple(updates)
+            if len(grad_trees) != num_losses:
+                raise ValueError(f"update expects a sequence of {num_losses} grad trees (one "
+                                 f"per loss), got {len(grad_trees)}.")
+        unscaled = [ls.unscale(g) for ls, g in zip(scales, grad_trees)]
+        finites = [all_finite(g, axis_name) for g in unscaled]
+        grads = unscaled[0]
+        for more in unscaled[1:]:
+            grads = jax.tree_util.tree_map(jnp.add, grads, more)
+        finite = finites[0]
+        for f in finites[1:]:
+            finite = finite & f
+
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        new_inner = select_tree(finite, new_inner, state.inner_state)
+        new_scales = tuple(ls.adjust(f) for ls, f in zip(scales, finites))
+        if report:
+            for loss_id, (ls, f) in enumerate(zip(new_scales, finites)):
+                _report_overflow(f, loss_id, ls.loss_scale)
+        return new_updates, LossScaledState(
+            loss_scale=new_scales[0] if num_losses == 1 else new_scales,
+            inner_state=new_inner,
+            total_steps=state.total_steps + 1,
+            skipped_steps=state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32),
+            last_finite=finite,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _report_overflow(finite: jax.Array, loss_id: int, new_scale: Any) -> None:
+    def say():
+        jax.debug.print(
+            "Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
+            "{scale}", loss_id=loss_id, scale=new_scale)
+
+    # A cond only around the print: the numbers never depend on it.
+    lax.cond(finite, lambda: None, say)
+
+
+def _find_states(opt_state: Any) -> list[LossScaledState]:
+    is_ours = lambda x: isinstance(x, LossScaledState)
+    return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ours) if is_ours(x)]
+
+
+def get_loss_scale(opt_state: Any, loss_id: int = 0) -> Any:
+    """The current loss scale inside `opt_state`, wherever `loss_scaled` sits in it.
+
+    Works through `optax.chain`, `optax.MultiSteps`, `optax.inject_hyperparams` and any other
+    pytree of states. The result has `scale(tree)`, `unscale(tree)` and `loss_scale`.
+
+    Args:
+      opt_state: an optimizer state holding one `LossScaledState`.
+      loss_id: which loss's scale, with `num_losses > 1` (Apex's `loss_id`).
+
+    Raises:
+      ValueError: no `loss_scaled` state in `opt_state`, more than one, or a bad `loss_id`.
+    """
+    found = _find_states(opt_state)
+    if len(found) != 1:
+        raise ValueError(
+            f"get_loss_scale expects an optimizer state holding exactly one loss_scaled state, "
+            f"found {len(found)}.")
+    scales = found[0].loss_scale
+    if isinstance(scales, tuple):
+        if not (isinstance(loss_id, int) and 0 <= loss_id < len(scales)):
+            raise ValueError(f"loss_id must be an integer in [0, {len(scales)}), got {loss_id!r}.")
+        return scales[loss_id]
+    if loss_id != 0:
+        raise ValueError(f"loss_id must be 0 for a single loss scale, got {loss_id!r}.")
+    return scales
