@@ -3,7 +3,7 @@
 The public face: names promised to users are re-exported here; nothing is defined here.
 """
 
-from jamp import policy
+from jamp import policy, transforms
 from jamp.policy import (
     Policy,
     Properties,
@@ -25,5 +25,6 @@ from jamp.scaler import (
     scaled_value_and_grad,
     select_tree,
 )
+from jamp.transforms import autocast, custom_bwd, custom_fwd
 
 __version__ = "0.1.0"

@@ -1,1 +1,16 @@
 """jaxpr-level transforms: autocast, custom_fwd/custom_bwd and the autograd tools."""
+
+from jamp.policy.autocast_tables import (
+    DEFAULT_TABLES,
+    FP32,
+    LOWER,
+    OpTable,
+    autocast_table,
+)
+from jamp.transforms.autocast import AutocastRegion, autocast
+from jamp.transforms.custom_amp import custom_bwd, custom_fwd
+
+__all__ = [
+    "AutocastRegion", "DEFAULT_TABLES", "FP32", "LOWER", "OpTable", "autocast",
+    "autocast_table", "custom_bwd", "custom_fwd",
+]

@@ -1,0 +1,169 @@
+"""Autocast's op tables: which lax primitive runs in which dtype, per device.
+
+A table maps a primitive's name (`jax.extend.core.Primitive.name`, e.g. "dot_general") to its
+rule:
+
+- `LOWER`: floating inputs are cast to the autocast dtype (torch's "lower precision" list);
+- `FP32`: floating inputs are cast to float32 (torch's "float32" list);
+- an explicit floating dtype (e.g. `np.dtype("float16")`): floating inputs are cast to it.
+
+A primitive that is not in the table runs in the widest floating dtype among its current inputs
+(torch's "promote" rule and its default for ops on no list). float64, integer, bool and complex
+values are never cast, whatever the table says.
+
+The defaults follow torch's autocast op reference for each device, mapped to the primitives that
+`jax.numpy`, `jax.nn` and Flax emit:
+
+- "cuda" (alias "gpu"), float16 by default: matmuls and convolutions lower; the transcendental,
+  power and reduction primitives behind torch's float32 list (softmax, log_softmax, layer_norm,
+  the losses and norms are composites of these) in float32.
+- "cpu", bfloat16 by default: matmuls and convolutions lower; torch's CPU float32 list maps to
+  products, cumulative products, linear algebra and FFT. torch's CPU list has no `exp`, `log` or
+  `sum`, so neither has this table: softmax and reductions of bfloat16 values stay in bfloat16.
+- "tpu", bfloat16 by default: torch has no TPU list in core; this table uses the CUDA lists
+  (as torch_xla does), with bfloat16.
+
+Extend or override a table with `OpTable.updated` / `OpTable.without` and pass it to
+`jamp.autocast(..., op_table=...)`:
+
+    table = jamp.transforms.autocast_table("cuda").updated({"logistic": FP32, "dot_general": "bfloat16"})
+    loss = jamp.autocast(loss_fn, device_type="cuda", op_table=table)
+
+This module is plain data: it imports no JAX internals and nothing else of jamp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Mapping, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+from jamp.policy.dtypes import canonical_floating_dtype
+
+LOWER = "lower"
+FP32 = "fp32"
+
+Rule = Union[str, np.dtype]
+
+# torch: __matmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul multi_dot mm mv linear matmul
+# prelu (its matmul), conv*/conv_transpose*, RNN cells (their matmuls); scaled_dot_product_attention
+# and multi-head attention are matmuls too. jnp.dot, tensordot, einsum, inner, vdot and outer all
+# trace to dot_general, so they lower as well (torch promotes `dot` and `tensordot`).
+_LOWER_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+# torch CUDA float32 list -> primitives. pow/__pow__/__rpow__ -> pow (integer_pow and square, what
+# `x ** 3` and `x * x`-like powers trace to, are left to promotion: exact in the low dtype up to
+# rounding, and jax.nn.gelu is built on x ** 3, which torch runs as one low-precision op);
+# reciprocal/__rdiv__/__rtruediv__ on a tensor -> integer_pow(x, -1) or div (div is left to
+# promotion: it also implements ordinary division, which torch does not upcast); rsqrt; exp,
+# expm1, log, log1p, log2, log10 (log + div); acos, asin, cosh, sinh, tan; erfinv; sum, prod,
+# cumsum, cumprod; softmax/log_softmax/layer_norm/group_norm/norm/normalize/losses are built from
+# these, so they run in float32 exactly where torch's do.
+_CUDA_FP32_OPS = (
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt",
+    "acos", "asin", "cosh", "sinh", "tan", "erf_inv",
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+)
+
+# torch CPU float32 list -> primitives: prod, cumprod (via torch's list of reductions), the
+# linear algebra (cholesky*, inverse, lu_solve, qr, svd, eig*, triangular_solve, lstsq, ...)
+# and fft_*. Losses on the CPU list are composites whose primitives are not listed here (a
+# documented deviation: their logs/exps follow their inputs).
+_LINALG_FFT_OPS = (
+    "cholesky", "triangular_solve", "lu", "qr", "householder_product", "geqrf", "svd",
+    "eigh", "eig", "schur", "hessenberg", "tridiagonal_solve", "fft",
+)
+_CPU_FP32_OPS = ("reduce_prod", "cumprod") + _LINALG_FFT_OPS
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTable:
+    """One device's autocast op table.
+
+    Attributes:
+      device_type: "cuda", "cpu" or "tpu" ("gpu" is an alias of "cuda").
+      default_dtype: the autocast dtype when `jamp.autocast` is given none.
+      rules: primitive name -> `LOWER`, `FP32` or an explicit floating dtype. Read-only.
+    """
+
+    device_type: str
+    default_dtype: np.dtype
+    rules: Mapping[str, Rule]
+
+    def __post_init__(self):
+        checked = {name: _check_rule(name, rule) for name, rule in dict(self.rules).items()}
+        object.__setattr__(self, "rules", MappingProxyType(checked))
+        object.__setattr__(self, "default_dtype",
+                           canonical_floating_dtype(self.default_dtype, "default_dtype"))
+
+    def rule(self, primitive_name: str) -> Rule | None:
+        """The rule of a primitive, or None when it runs in its inputs' widest floating dtype."""
+        return self.rules.get(primitive_name)
+
+    def updated(self, rules: Mapping[str, Rule]) -> "OpTable":
+        """A copy with `rules` added or replacing the existing ones (add a primitive, move it
+        from one list to the other, or pin its dtype)."""
+        return dataclasses.replace(self, rules={**self.rules, **rules})
+
+    def without(self, *primitive_names: str) -> "OpTable":
+        """A copy in which the named primitives follow their inputs (torch's promote rule)."""
+        return dataclasses.replace(
+            self, rules={k: v for k, v in self.rules.items() if k not in primitive_names})
+
+    def __hash__(self):
+        return hash((self.device_type, self.default_dtype, tuple(sorted(
+            (k, str(v)) for k, v in self.rules.items()))))
+
+    def __eq__(self, other):
+        return isinstance(other, OpTable) and hash(self) == hash(other) and (
+            self.device_type, self.default_dtype, dict(self.rules)) == (
+            other.device_type, other.default_dtype, dict(other.rules))
+
+
+def _check_rule(name: str, rule: Rule) -> Rule:
+    if isinstance(rule, str) and rule in (LOWER, FP32):
+        return rule
+    try:
+        return canonical_floating_dtype(rule, f"rule for {name!r}")
+    except ValueError as e:
+        raise ValueError(
+            f"{e} The rule for {name!r} must be {LOWER!r}, {FP32!r} or a floating dtype.") from None
+
+
+def _table(device_type: str, dtype, fp32_ops) -> OpTable:
+    rules = {**{name: LOWER for name in _LOWER_OPS}, **{name: FP32 for name in fp32_ops}}
+    return OpTable(device_type, np.dtype(dtype), rules)
+
+
+DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
+    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS),
+    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS),
+    "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
+})
+
+DEVICE_ALIASES: Mapping[str, str] = MappingProxyType({"gpu": "cuda", "rocm": "cuda"})
+
+ACCEPTED_DEVICE_TYPES = ("cuda", "gpu", "cpu", "tpu")
+
+
+def canonical_device_type(device_type: str) -> str:
+    """"cuda", "cpu" or "tpu" for any accepted spelling ("gpu" -> "cuda").
+
+    Raises:
+      ValueError: naming the unknown device type and the accepted ones.
+    """
+    key = device_type.strip().lower() if isinstance(device_type, str) else device_type
+    key = DEVICE_ALIASES.get(key, key)
+    if key not in DEFAULT_TABLES:
+        raise ValueError(
+            f"Unknown autocast device_type {device_type!r}: expected one of "
+            f"{', '.join(map(repr, ACCEPTED_DEVICE_TYPES))}.")
+    return key
+
+
+def autocast_table(device_type: str) -> OpTable:
+    """The default op table of a device type ("cuda"/"gpu", "cpu", "tpu")."""
+    return DEFAULT_TABLES[canonical_device_type(device_type)]

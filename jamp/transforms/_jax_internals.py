@@ -1,0 +1,160 @@
+"""Every touch of JAX internals that autocast needs, in one place.
+
+autocast evaluates a jaxpr equation by equation and re-binds higher-order primitives with
+transformed sub-jaxprs. jax.extend.core gives the jaxpr types; the rest (equation name stacks,
+the parameters of `custom_jvp_call` / `custom_vjp_call`, the linear-util wrappers their
+derivative rules travel in) has no public API. Each helper says why it is needed. Supported:
+jax 0.10.x and 0.11.x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jex_core
+
+# jax.extend.core: the jaxpr data types the interpreter walks (public, but "extend" stability).
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+
+# Needed for equation source info (name stacks carry autocast regions) and for re-wrapping the
+# lazily traced derivative rules of custom_jvp/custom_vjp, which are `lu.WrappedFun`s.
+from jax._src import linear_util as _lu  # noqa: E402
+from jax._src import source_info_util as _source_info  # noqa: E402
+
+
+def typeof(x) -> Any:
+    """The abstract value (shape, dtype, weak_type) of an array or tracer."""
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+
+
+def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
+    """Traces `fn(*args)` at abstract values to a closed jaxpr (public `jax.make_jaxpr`)."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             for a in avals]
+    return jax.make_jaxpr(fn)(*specs)
+
+
+def name_stack(eqn: JaxprEqn):
+    """The equation's name stack: where `jax.named_scope` regions (and so autocast regions)
+    are recorded. Not public: `source_info` is an internal field of `JaxprEqn`."""
+    return eqn.source_info.name_stack
+
+
+@contextlib.contextmanager
+def equation_context(eqn: JaxprEqn):
+    """Re-enters an equation's source info and context while re-binding it, as
+    `jax.core.eval_jaxpr` does, so the output program keeps the user's scope names (Flax module
+    paths, autocast regions) and tracebacks."""
+    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=stack):
+        ctx = getattr(eqn, "ctx", None)
+        with (ctx.manager if ctx is not None else contextlib.nullcontext()):
+            yield
+
+
+def bind(eqn: JaxprEqn, params: dict, invals: Sequence[Any]) -> list[Any]:
+    """Binds `eqn.primitive` with `params` (which may differ from `eqn.params`) and returns a
+    list of outputs. `get_bind_params` turns stored params into bind-time ones for primitives
+    that carry functions (custom_jvp_call, custom_vjp_call)."""
+    prim = eqn.primitive
+    bind_params = prim.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+        subfuns, bind_params = bind_params
+        out = prim.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = prim.bind(*invals, **bind_params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def _wrap(fn: Callable, like) -> Any:
+    """A `lu.WrappedFun` of `fn` with the debug info of `like` (custom_jvp/custom_vjp params
+    must be WrappedFuns)."""
+    return _lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def custom_jvp_params(params: dict, call_jaxpr: ClosedJaxpr,
+                      transform: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict:
+    """custom_jvp_call params with a new primal body and the user's jvp rule passed through
+    `transform` (same interface), traced lazily as JAX does when it differentiates."""
+    jvp_fun = params["jvp_jaxpr_fun"]
+    cache: dict = {}
+
+    def jvp_jaxpr_fun(*zeros):
+        if zeros not in cache:
+            jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+            new = transform(ClosedJaxpr(jaxpr, consts))
+            cache[zeros] = (new.jaxpr, new.consts, out_zeros)
+        return cache[zeros]
+
+    return dict(params, call_jaxpr=call_jaxpr, jvp_jaxpr_fun=_wrap(jvp_jaxpr_fun, jvp_fun))
+
+
+def custom_vjp_params(params: dict, call_jaxpr: ClosedJaxpr,
+                      transform: Callable[[ClosedJaxpr], ClosedJaxpr],
+                      wrap_bwd: Callable[[Callable], Callable]) -> dict:
+    """custom_vjp_call params with a new primal body, the user's fwd passed through
+    `transform` (same interface) and the user's bwd wrapped by `wrap_bwd`."""
+    thunk = params["fwd_jaxpr_thunk"]
+    bwd = params["bwd"]
+    cache: dict = {}
+
+    def fwd_jaxpr_thunk(*zeros):
+        if zeros not in cache:
+            jaxpr, consts = thunk.call_wrapped(*zeros)
+            new = transform(ClosedJaxpr(jaxpr, consts))
+            cache[zeros] = (new.jaxpr, new.consts)
+        return cache[zeros]
+
+    new_bwd = wrap_bwd(bwd.call_wrapped)
+    return dict(params, call_jaxpr=call_jaxpr,
+                fwd_jaxpr_thunk=_wrap(fwd_jaxpr_thunk, thunk), bwd=_wrap(new_bwd, bwd))
+
+
+def is_symbolic_zero(x) -> bool:
+    """True for the `Zero`/`SymbolicZero` objects a custom_vjp bwd may return instead of an
+    array (they cannot be traced into a jaxpr, so they are passed around it)."""
+    return not hasattr(x, "dtype") or type(x).__name__ in ("Zero", "SymbolicZero")
+
+
+def remat_options(params: dict) -> dict:
+    """`jax.checkpoint` keywords that rebuild a `remat`/`checkpoint` equation."""
+    return dict(prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
+
+
+def remat_body(params: dict) -> ClosedJaxpr:
+    """The body of a remat equation as a closed jaxpr (it is stored open)."""
+    return ClosedJaxpr(params["jaxpr"], ())
+
+
+def shard_map_options(params: dict) -> dict:
+    """`jax.shard_map` keywords that rebuild a shard_map equation (names differ by version)."""
+    options = dict(mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
+                   out_specs=tuple(params["out_specs"]))
+    for key in ("check_vma", "check_rep"):
+        if key in params:
+            options["check_vma"] = params[key]
+    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+        if key in params:
+            options["axis_names"] = frozenset(params[key])
+            break
+    return options
+
+
+def shard_map_body(params: dict) -> ClosedJaxpr:
+    """The body of a shard_map equation as a closed jaxpr (it is stored open)."""
+    return ClosedJaxpr(params["jaxpr"], ())
+
+
+def jaxprs_in_params(params: dict) -> bool:
+    """True when an equation's params hold sub-jaxprs (a higher-order primitive)."""
+    for value in params.values():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in values):
+            return True
+    return False

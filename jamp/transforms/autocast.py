@@ -1,0 +1,151 @@
+"""`jamp.autocast`: torch.autocast as a JAX function transform, and its regions."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jamp.policy.autocast_tables import OpTable, autocast_table, canonical_device_type
+from jamp.transforms import _jax_internals as jx
+from jamp.transforms import autocast_rules as rules
+from jamp.transforms import interpreter
+
+
+def autocast(
+    fn: Callable | None = None,
+    *,
+    device_type: str | None = None,
+    dtype: Any = None,
+    enabled: bool = True,
+    cache_enabled: bool | None = None,
+    op_table: OpTable | None = None,
+    cast_outputs: bool = True,
+):
+    """torch.autocast for JAX: runs `fn` with each op in the dtype its device's table says.
+
+    With `fn`, returns the transformed function: it traces `fn` to a jaxpr and evaluates it
+    with matmuls and convolutions in `dtype`, the ops of the float32 list in float32 and every
+    other op in the widest floating dtype of its inputs. It composes with `jax.jit`,
+    `jax.grad` (the backward runs in the forward's dtypes, grads come back in the params'
+    dtypes), `jax.vmap` and sharding. Array arguments (any pytree) are traced; other leaves
+    (Python scalars, strings, flags) are passed through as static values.
+
+    Without `fn`, returns an `AutocastRegion`: used as a decorator it transforms the function;
+    used as `with jamp.autocast(enabled=False):` (or `dtype=...`) inside a function being
+    transformed, it marks a region whose ops run with autocast off (their inputs cast back to
+    the dtypes the program was written in, float32 for a float32 program) or in another dtype.
+    Regions nest. A region outside any transformed function does nothing.
+
+    Args:
+      fn: the function to transform.
+      device_type: "cuda"/"gpu", "cpu" or "tpu"; default: `jax.default_backend()`.
+      dtype: the low dtype; default float16 on cuda/gpu, bfloat16 on cpu and tpu. float16 on
+        the CPU works: XLA emulates it.
+      enabled: False returns `fn` unchanged (as a region: autocast off inside).
+      cache_enabled: accepted for torch compatibility (default True). True casts each value
+        to each dtype once per (sub-)program, so a weight used by several matmuls is converted
+        once; False emits a convert per use, which XLA's CSE usually merges again.
+      op_table: a custom `OpTable` (see `jamp.transforms.autocast_table(...).updated(...)`).
+      cast_outputs: True (default) returns outputs in the dtypes `fn` returns; False keeps the
+        dtypes autocast computed them in (e.g. bfloat16 logits), torch's behaviour.
+
+    Raises:
+      ValueError: for an unknown `device_type` or a `dtype` that is not float16, bfloat16 or
+        float32, naming the accepted ones.
+
+    Example:
+      >>> loss = jamp.autocast(loss_fn, dtype=jnp.bfloat16)
+      >>> grads = jax.jit(jax.grad(loss))(params, batch)
+    """
+    region = AutocastRegion(device_type=device_type, dtype=dtype, enabled=enabled,
+                            cache_enabled=cache_enabled, op_table=op_table,
+                            cast_outputs=cast_outputs)
+    return region if fn is None else region(fn)
+
+
+class AutocastRegion:
+    """The object `jamp.autocast()` returns without a function: a decorator (the transform)
+    and a context manager (a region inside a transformed function)."""
+
+    def __init__(self, *, device_type=None, dtype=None, enabled=True, cache_enabled=None,
+                 op_table=None, cast_outputs=True):
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled={enabled!r}: expected True or False.")
+        self._explicit_device = device_type is not None
+        if device_type is None:
+            device_type = op_table.device_type if op_table is not None else jax.default_backend()
+        self.device_type = canonical_device_type(device_type)
+        self.table = op_table if op_table is not None else autocast_table(self.device_type)
+        self._explicit_dtype = dtype is not None
+        self.dtype = (rules.check_autocast_dtype(dtype) if dtype is not None
+                      else self.table.default_dtype)
+        self.enabled = enabled
+        self.cache_enabled = True if cache_enabled is None else bool(cache_enabled)
+        self.cast_outputs = cast_outputs
+        self._scopes: list = []
+
+    def __repr__(self):
+        return (f"autocast(device_type={self.device_type!r}, dtype={self.dtype.name}, "
+                f"enabled={self.enabled}, cache_enabled={self.cache_enabled})")
+
+    @property
+    def scope_name(self) -> str:
+        """The `jax.named_scope` name that marks this region in a traced program."""
+        return rules.marker(
+            enabled=self.enabled,
+            device=self.device_type if self._explicit_device else None,
+            dtype=self.dtype if self._explicit_dtype else None)
+
+    def __enter__(self):
+        scope = jax.named_scope(self.scope_name)
+        scope.__enter__()
+        self._scopes.append(scope)
+        return self
+
+    def __exit__(self, *exc):
+        return self._scopes.pop().__exit__(*exc)
+
+    def __call__(self, fn: Callable) -> Callable:
+        if not self.enabled:
+            @functools.wraps(fn)
+            def disabled(*args, **kwargs):
+                with jax.named_scope(self.scope_name):
+                    return fn(*args, **kwargs)
+            return disabled
+
+        region = rules.Region(enabled=True, dtype=self.dtype, table=self.table)
+
+        @functools.wraps(fn)
+        def transformed(*args, **kwargs):
+            leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+            traced = [i for i, x in enumerate(leaves) if _is_array(x)]
+            out_tree = []
+
+            def flat_fn(*arrays):
+                full = list(leaves)
+                for i, a in zip(traced, arrays):
+                    full[i] = a
+                a, kw = jax.tree_util.tree_unflatten(in_tree, full)
+                outs, tree = jax.tree_util.tree_flatten(fn(*a, **kw))
+                out_tree.append(tree)
+                return outs
+
+            arrays = [leaves[i] for i in traced]
+            closed = jx.trace_closed(flat_fn, [jx.typeof(a) for a in arrays])
+            ctx = interpreter.Context(cache_enabled=self.cache_enabled)
+            with jax.named_scope(self.scope_name):
+                outs = interpreter.eval_jaxpr(closed, arrays, region, ctx)
+            if self.cast_outputs:
+                outs = [interpreter.cast(o, np.dtype(a.dtype))
+                        if rules.is_castable(o.dtype) and rules.is_castable(a.dtype) else o
+                        for o, a in zip(outs, closed.out_avals)]
+            return jax.tree_util.tree_unflatten(out_tree[-1], outs)
+
+        return transformed
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))

@@ -1,0 +1,218 @@
+"""Autocast's dtype decisions: regions, and the dtype each input of an equation is cast to.
+
+Nothing here binds a primitive; the interpreter asks and applies the answers.
+
+Regions are `jax.named_scope`s whose names carry a marker, `jamp_autocast[key=value,...]`.
+JAX keeps scope names on every equation's name stack, also through differentiation
+(`jvp(scope)`, `transpose(jvp(scope))`), so a region survives `jax.grad` inside the transformed
+function without any global state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jamp.policy.autocast_tables import FP32, LOWER, OpTable, autocast_table
+from jamp.policy.dtypes import canonical_floating_dtype
+
+MARKER_PREFIX = "jamp_autocast"
+_MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"\[([^\]]*)\]")
+
+FLOAT32 = np.dtype(jnp.float32)
+# The dtypes autocast may cast from and to; float64 and float8 types are never touched.
+CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+
+# Primitives whose params hold jaxprs or computations typed for the traced dtypes (scatter's
+# update computation, generic reduce/reduce_window bodies): they run in the traced dtypes.
+PINNED = frozenset({
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+    "select_and_gather_add", "argsort",
+})
+
+# Params that name an output dtype; when they equal the traced input dtype they only mean
+# "the result type", so they follow the dtype autocast chose.
+RESULT_DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """The autocast state that applies to an equation.
+
+    Attributes:
+      enabled: autocast on. Off: ops run in the dtypes the program was traced with (so values
+        autocast lowered are cast back, e.g. to float32), or, with `as_is`, in their inputs'
+        current types (torch's behaviour, used for `custom_fwd(cast_inputs=...)` bodies).
+      dtype: the low dtype of `LOWER` ops.
+      table: the op table.
+      as_is: see `enabled`.
+      cast_inputs: inside `custom_fwd(cast_inputs=...)`, the dtype its inputs are cast to.
+      forward: for a custom_vjp bwd, the region of its forward (restored by `custom_bwd`).
+    """
+
+    enabled: bool
+    dtype: np.dtype
+    table: OpTable
+    as_is: bool = False
+    cast_inputs: np.dtype | None = None
+    forward: "Region | None" = None
+
+    def off_as_is(self) -> "Region":
+        """The state of a custom_vjp bwd: autocast off, ops in their inputs' types."""
+        return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
+                                   forward=self)
+
+
+def check_autocast_dtype(dtype) -> np.dtype:
+    """Validates an autocast dtype: float16, bfloat16 or float32.
+
+    Raises:
+      ValueError: naming the value and the accepted dtypes.
+    """
+    try:
+        result = canonical_floating_dtype(dtype, "dtype")
+    except ValueError as e:
+        raise ValueError(f"{e} autocast accepts {', '.join(AUTOCAST_DTYPES)}.") from None
+    if result.name not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"autocast dtype={dtype!r} is not supported: expected one of "
+            f"{', '.join(AUTOCAST_DTYPES)} (float64 values are never cast by autocast).")
+    return result
+
+
+def marker(**fields) -> str:
+    """The scope name of a region; fields left as None are inherited from the outer region."""
+    parts = []
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, np.dtype):
+            value = value.name
+        parts.append(f"{key}={value}")
+    return f"{MARKER_PREFIX}[{','.join(parts)}]"
+
+
+def parse_markers(stack_text: str) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """The markers in a name stack's text, outermost first."""
+    if MARKER_PREFIX not in stack_text:
+        return ()
+    found = []
+    for body in _MARKER_RE.findall(stack_text):
+        fields = tuple(tuple(part.split("=", 1)) for part in body.split(",") if "=" in part)
+        found.append(fields)
+    return tuple(found)
+
+
+def apply_markers(region: Region, markers) -> Region:
+    """Folds a name stack's markers, outermost first, onto the enclosing region."""
+    for fields in markers:
+        fields = dict(fields)
+        if "restore" in fields:
+            region = region.forward or region
+            continue
+        changes = {}
+        if "device" in fields:
+            changes["table"] = autocast_table(fields["device"])
+            changes["dtype"] = changes["table"].default_dtype
+        if "dtype" in fields:
+            changes["dtype"] = np.dtype(fields["dtype"])
+        if "enabled" in fields:
+            changes["enabled"] = fields["enabled"] == "1"
+            changes["as_is"] = fields.get("as_is") == "1"
+        if "cast_inputs" in fields:
+            # Outside an enabled region custom_fwd is a no-op (torch).
+            changes["cast_inputs"] = np.dtype(fields["cast_inputs"]) if region.enabled else None
+        region = dataclasses.replace(region, **changes)
+    return region
+
+
+def is_castable(dtype) -> bool:
+    """float16, bfloat16 or float32 (`dtype` is a numpy or JAX extended dtype, or None)."""
+    return dtype is not None and dtype in CASTABLE
+
+
+def widest(dtypes) -> np.dtype:
+    result = None
+    for d in dtypes:
+        result = d if result is None else np.dtype(jnp.promote_types(result, d))
+    return result
+
+
+def input_targets(
+    primitive_name: str,
+    region: Region,
+    current: Sequence[np.dtype],
+    traced: Sequence[np.dtype],
+    follows: Sequence[bool],
+) -> list[np.dtype | None]:
+    """The dtype each input is cast to (None: left as is).
+
+    Args:
+      primitive_name: the equation's primitive.
+      region: the autocast state of the equation.
+      current: the inputs' dtypes now (after earlier casts).
+      traced: the inputs' dtypes in the traced program.
+      follows: inputs that are Python-scalar-like (rank-0 literals, weak-typed values): they
+        take the dtype of the other operands and never widen them.
+    """
+    castable = [is_castable(c) and is_castable(t) for c, t in zip(current, traced)]
+    if primitive_name in PINNED:
+        return [t if ok else None for ok, t in zip(castable, traced)]
+    if not region.enabled and not region.as_is:
+        return [t if ok else None for ok, t in zip(castable, traced)]
+    fixed = _fixed_dtype(primitive_name, region)
+    if fixed is not None:
+        return [fixed if ok else None for ok in castable]
+    return _promote(current, traced, follows, castable)
+
+
+def _fixed_dtype(primitive_name: str, region: Region) -> np.dtype | None:
+    if not region.enabled:
+        return None
+    rule = region.table.rule(primitive_name)
+    if rule is None:
+        return None
+    if rule == LOWER:
+        return region.dtype
+    if rule == FP32:
+        return FLOAT32
+    return np.dtype(rule)
+
+
+def _promote(current, traced, follows, castable) -> list[np.dtype | None]:
+    # Inputs traced with the same dtype must agree again (the op was typed for that); each such
+    # group runs in the widest current dtype of its non-scalar members.
+    groups: dict[np.dtype, list[int]] = {}
+    for i, ok in enumerate(castable):
+        if ok:
+            groups.setdefault(np.dtype(traced[i]), []).append(i)
+    targets: list[np.dtype | None] = [None] * len(current)
+    for members in groups.values():
+        leaders = [current[i] for i in members if not follows[i]]
+        if not leaders:
+            continue
+        target = widest(leaders)
+        for i in members:
+            targets[i] = target
+    return targets
+
+
+def result_dtype_params(params: Mapping, traced_in: np.dtype | None,
+                        new_in: np.dtype | None) -> dict:
+    """Rewrites result-dtype params that only restated the traced input dtype."""
+    changes = {}
+    if traced_in is None or new_in is None or traced_in == new_in:
+        return changes
+    for key in RESULT_DTYPE_PARAMS:
+        value = params.get(key)
+        if value is not None and np.dtype(value) == traced_in:
+            changes[key] = new_in
+    return changes

@@ -1,0 +1,67 @@
+"""`jamp.custom_fwd` / `jamp.custom_bwd`: torch's helpers for custom autograd functions, for the
+fwd and bwd of a `jax.custom_vjp`.
+
+Both only mark regions in the traced program (named scopes read by the autocast interpreter),
+so outside an autocast transform they change nothing but the scope names.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+from jax import lax
+
+from jamp.transforms import autocast_rules as rules
+
+
+def custom_fwd(fwd: Callable | None = None, *, cast_inputs: Any = None):
+    """Decorates the fwd of a `jax.custom_vjp` (torch.amp.custom_fwd).
+
+    With `cast_inputs`, inside an enabled autocast region the floating array inputs are cast
+    to `cast_inputs` and the forward runs with autocast off (its ops in their inputs' types).
+    With `cast_inputs=None`, the forward runs with the current autocast state. Outside an
+    autocast region it is a no-op. The primal function of the custom_vjp is what runs when
+    nothing is differentiated: decorate it too for the same dtypes either way.
+
+    Example:
+      >>> @jax.custom_vjp
+      ... def f(x, w): ...
+      >>> f.defvjp(jamp.custom_fwd(f_fwd, cast_inputs=jnp.float32), jamp.custom_bwd(f_bwd))
+    """
+    if fwd is None:
+        return functools.partial(custom_fwd, cast_inputs=cast_inputs)
+    if cast_inputs is None:
+        return fwd
+    dtype = rules.check_autocast_dtype(cast_inputs)
+
+    @functools.wraps(fwd)
+    def wrapper(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        floating = [i for i, x in enumerate(leaves)
+                    if hasattr(x, "dtype") and rules.is_castable(x.dtype)]
+        if floating:
+            # An identity that the interpreter turns into the cast, only where autocast is on.
+            with jax.named_scope(rules.marker(cast_inputs=dtype)):
+                barrier = lax.optimization_barrier([leaves[i] for i in floating])
+            for i, x in zip(floating, barrier):
+                leaves[i] = x
+        a, kw = jax.tree_util.tree_unflatten(tree, leaves)
+        with jax.named_scope(rules.marker(enabled=False, as_is=True)):
+            return fwd(*a, **kw)
+
+    return wrapper
+
+
+def custom_bwd(bwd: Callable) -> Callable:
+    """Decorates the bwd of a `jax.custom_vjp` (torch.amp.custom_bwd): it runs with the autocast
+    state of its forward. Undecorated, a bwd runs with autocast off, in the dtypes it was
+    written for."""
+
+    @functools.wraps(bwd)
+    def wrapper(*args, **kwargs):
+        with jax.named_scope(rules.marker(restore=True)):
+            return bwd(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,288 @@
+"""The autocast interpreter: one loop over a jaxpr's equations and one rule table.
+
+First-order equations are re-bound with their inputs cast as `autocast_rules` decides.
+Higher-order primitives get a rule each that transforms the sub-jaxprs and re-binds the same
+primitive, so structure, custom derivative rules and loop carry types survive:
+
+- `jit` (and `closed_call`), `checkpoint`/`remat`, `shard_map`: the body is transformed for the
+  current input dtypes and may return lower-precision values, as the same ops would inline.
+- `scan`, `while`, `cond`, `custom_jvp_call`, `custom_vjp_call`: the body is transformed with
+  its interface kept (inputs and outputs in the traced dtypes), because carries must keep their
+  type and the user's derivative rules were traced for those dtypes. The user's jvp rule and fwd
+  are transformed like the body; the user's bwd runs with autocast off (torch's rule for custom
+  backward functions) unless it is wrapped in `jamp.custom_bwd`.
+
+Each distinct sub-jaxpr is transformed once per program (per region and input types).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jamp.transforms import _jax_internals as jx
+from jamp.transforms import autocast_rules as rules
+from jamp.transforms.autocast_rules import Region
+
+
+@dataclasses.dataclass
+class Context:
+    """Per-program state of one autocast trace (never global).
+
+    Attributes:
+      cache_enabled: cast each value to each dtype once per jaxpr (torch's weight cache).
+      jaxprs: transformed sub-jaxprs, keyed by (kind, sub-jaxpr, region, input types).
+      regions: the region of each (enclosing region, name stack).
+    """
+
+    cache_enabled: bool = True
+    jaxprs: dict = dataclasses.field(default_factory=dict)
+    regions: dict = dataclasses.field(default_factory=dict)
+
+    def region_for(self, region: Region, eqn) -> Region:
+        stack = jx.name_stack(eqn)
+        key = (region, stack)
+        found = self.regions.get(key)
+        if found is None:
+            found = rules.apply_markers(region, rules.parse_markers(str(stack)))
+            self.regions[key] = found
+        return found
+
+
+def dtype_of(x):
+    return x.dtype
+
+
+def cast(x, dtype):
+    """Casts a value; numpy scalars (literals) stay numpy so they remain literals."""
+    if dtype_of(x) == dtype:
+        return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x, dtype=dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+def _avals_key(values) -> tuple:
+    return tuple((tuple(a.shape), np.dtype(a.dtype), bool(getattr(a, "weak_type", False)))
+                 for a in map(jx.typeof, values))
+
+
+def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region,
+               ctx: Context) -> list[Any]:
+    """Evaluates `closed` on `args` with autocast, binding on whatever trace is current."""
+    jaxpr = closed.jaxpr
+    env: dict = {}
+    casts: dict = {}
+
+    def read(atom):
+        if isinstance(atom, jx.Literal):
+            return np.asarray(atom.val, dtype=atom.aval.dtype)
+        return env[atom]
+
+    def read_cast(atom, dtype):
+        value = read(atom)
+        if dtype is None or dtype_of(value) == dtype:
+            return value
+        if not ctx.cache_enabled or isinstance(atom, jx.Literal):
+            return cast(value, dtype)
+        key = (atom, dtype)
+        if key not in casts:
+            casts[key] = cast(value, dtype)
+        return casts[key]
+
+    env.update(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        eqn_region = ctx.region_for(region, eqn)
+        rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
+        with jx.equation_context(eqn):
+            if rule is not None:
+                outs = rule(eqn, [read(a) for a in eqn.invars], eqn_region, ctx)
+            elif jx.jaxprs_in_params(eqn.params):
+                outs = _opaque(eqn, [read(a) for a in eqn.invars])
+            else:
+                outs = _first_order(eqn, eqn_region, read, read_cast)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _is_floating(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _follows(atom) -> bool:
+    if isinstance(atom, jx.Literal):
+        return np.ndim(atom.val) == 0
+    return bool(getattr(atom.aval, "weak_type", False))
+
+
+def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
+    name = eqn.primitive.name
+    if name == "convert_element_type":
+        # An explicit cast in the program is honoured as written; one to the dtype a value
+        # already has is dropped.
+        value = read(eqn.invars[0])
+        new_dtype = eqn.params["new_dtype"]
+        if dtype_of(value) == np.dtype(new_dtype) and not eqn.params.get("weak_type", False):
+            return [value]
+        return jx.bind(eqn, eqn.params, [value])
+    if name == "optimization_barrier" and region.cast_inputs is not None:
+        values = [read(a) for a in eqn.invars]
+        targets = [region.cast_inputs if rules.is_castable(dtype_of(v)) else None
+                   for v in values]
+        return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
+                                         for v, t in zip(values, targets)])
+    floating = [_is_floating(a.aval) for a in eqn.invars]
+    if not any(floating):
+        return jx.bind(eqn, eqn.params, [read(a) for a in eqn.invars])
+    traced = [np.dtype(a.aval.dtype) if f else None for a, f in zip(eqn.invars, floating)]
+    current = [dtype_of(read(a)) if f else None for a, f in zip(eqn.invars, floating)]
+    targets = rules.input_targets(name, region, current, traced,
+                                  [_follows(a) for a in eqn.invars])
+    invals = [read_cast(a, t) for a, t in zip(eqn.invars, targets)]
+    params = eqn.params
+    first = next((i for i, f in enumerate(floating) if f), None)
+    if first is not None:
+        changes = rules.result_dtype_params(params, traced[first], dtype_of(invals[first]))
+        if changes:
+            params = dict(params, **changes)
+    return jx.bind(eqn, params, invals)
+
+
+def _opaque(eqn, invals) -> list[Any]:
+    """A higher-order primitive without a rule runs untransformed in its traced dtypes."""
+    return jx.bind(eqn, eqn.params, _to_traced(eqn, invals))
+
+
+def _to_traced(eqn, invals) -> list[Any]:
+    return [cast(v, np.dtype(a.aval.dtype))
+            if hasattr(v, "dtype") and rules.is_castable(dtype_of(v))
+            and rules.is_castable(a.aval.dtype) else v
+            for a, v in zip(eqn.invars, invals)]
+
+
+# -- transformed sub-jaxprs -------------------------------------------------------------------
+
+def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
+                values: Sequence[Any]) -> jx.ClosedJaxpr:
+    """`closed` transformed for the dtypes of `values`; outputs in whatever dtypes result."""
+    key = ("specialized", closed, region, _avals_key(values))
+    if key not in ctx.jaxprs:
+        ctx.jaxprs[key] = jx.trace_closed(
+            lambda *args: eval_jaxpr(closed, args, region, ctx),
+            [jx.typeof(v) for v in values])
+    return ctx.jaxprs[key]
+
+
+def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.ClosedJaxpr:
+    """`closed` transformed with its input and output types unchanged (casts inside)."""
+    key = ("kept", closed, region)
+    if key not in ctx.jaxprs:
+        out_dtypes = [np.dtype(a.dtype) for a in closed.out_avals]
+
+        def body(*args):
+            outs = eval_jaxpr(closed, args, region, ctx)
+            return [cast(o, d) if hasattr(o, "dtype") and rules.is_castable(dtype_of(o))
+                    and rules.is_castable(d) else o for o, d in zip(outs, out_dtypes)]
+
+        ctx.jaxprs[key] = jx.trace_closed(body, closed.in_avals)
+    return ctx.jaxprs[key]
+
+
+# -- higher-order rules -----------------------------------------------------------------------
+
+def _jit_rule(eqn, invals, region, ctx):
+    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+    new = specialized(eqn.params[key], region, ctx, invals)
+    return jx.bind(eqn, dict(eqn.params, **{key: new}), invals)
+
+
+def _remat_rule(eqn, invals, region, ctx):
+    body = jx.remat_body(eqn.params)
+    fn = jax.checkpoint(lambda *args: eval_jaxpr(body, args, region, ctx),
+                        **jx.remat_options(eqn.params))
+    return list(fn(*invals))
+
+
+def _shard_map_rule(eqn, invals, region, ctx):
+    body = jx.shard_map_body(eqn.params)
+    fn = jax.shard_map(lambda *args: tuple(eval_jaxpr(body, args, region, ctx)),
+                       **jx.shard_map_options(eqn.params))
+    return list(fn(*invals))
+
+
+def _kept_rule(*jaxpr_params: str) -> Callable:
+    """A rule for primitives whose sub-jaxprs in `jaxpr_params` keep their interface."""
+
+    def rule(eqn, invals, region, ctx):
+        params = dict(eqn.params)
+        for key in jaxpr_params:
+            value = params[key]
+            if isinstance(value, (tuple, list)):
+                params[key] = type(value)(interface_kept(v, region, ctx) for v in value)
+            else:
+                params[key] = interface_kept(value, region, ctx)
+        return jx.bind(eqn, params, _to_traced(eqn, invals))
+
+    return rule
+
+
+def _custom_jvp_rule(eqn, invals, region, ctx):
+    call = interface_kept(eqn.params["call_jaxpr"], region, ctx)
+    params = jx.custom_jvp_params(eqn.params, call,
+                                  lambda cj: interface_kept(cj, region, ctx))
+    return jx.bind(eqn, params, _to_traced(eqn, invals))
+
+
+def _custom_vjp_rule(eqn, invals, region, ctx):
+    call = interface_kept(eqn.params["call_jaxpr"], region, ctx)
+    bwd_region = region.off_as_is()
+
+    def wrap_bwd(bwd: Callable) -> Callable:
+        def new_bwd(*args):
+            if any(jx.is_symbolic_zero(a) for a in args):
+                return bwd(*args)
+            passed: dict = {}
+
+            def arrays_only(*a):
+                outs = list(bwd(*a))
+                passed["outs"] = outs
+                return [o for o in outs if not jx.is_symbolic_zero(o)]
+
+            closed = jx.trace_closed(arrays_only, [jx.typeof(a) for a in args])
+            values = iter(_eval_kept(closed, args, bwd_region, ctx))
+            return [o if jx.is_symbolic_zero(o) else next(values) for o in passed["outs"]]
+
+        return new_bwd
+
+    params = jx.custom_vjp_params(eqn.params, call,
+                                  lambda cj: interface_kept(cj, region, ctx), wrap_bwd)
+    return jx.bind(eqn, params, _to_traced(eqn, invals))
+
+
+def _eval_kept(closed, args, region, ctx) -> list[Any]:
+    outs = eval_jaxpr(closed, args, region, ctx)
+    return [cast(o, np.dtype(a.dtype)) if rules.is_castable(dtype_of(o))
+            and rules.is_castable(a.dtype) else o for o, a in zip(outs, closed.out_avals)]
+
+
+HIGHER_ORDER_RULES: dict[str, Callable] = {
+    "jit": _jit_rule,
+    "pjit": _jit_rule,
+    "closed_call": _jit_rule,
+    "checkpoint": _remat_rule,
+    "remat2": _remat_rule,
+    "remat": _remat_rule,
+    "shard_map": _shard_map_rule,
+    "scan": _kept_rule("jaxpr"),
+    "while": _kept_rule("cond_jaxpr", "body_jaxpr"),
+    "cond": _kept_rule("branches"),
+    "custom_jvp_call": _custom_jvp_rule,
+    "custom_vjp_call": _custom_vjp_rule,
+}
