@@ -32,6 +32,8 @@ T = TypeVar("T")
 
 _EMPTY_STATE_DICT = ("The source state dict is empty, possibly because it was saved from a "
                      "disabled instance of GradScaler.")
+_SUBNORMAL_RECIPROCAL = np.float32(2.0**126)
+_RESCALE = np.float32(2.0**-32)
 _STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                     "_growth_tracker")
 
@@ -109,13 +111,19 @@ class GradScalerState:
             return grads
         # torch takes the reciprocal in double and rounds it to float32; float32 division is
         # correctly rounded, and 1/s for a float32 s is never a double-rounding tie.
-        inv = (1.0 / self.loss_scale.astype(jnp.float32)).astype(jnp.float32)
+        scale = self.loss_scale.astype(jnp.float32)
+        # Above 2**126 the reciprocal is subnormal, and XLA on CPU flushes it to zero, which
+        # would zero every grad. There the reciprocal is taken of scale * 2**-32 and the 2**-32
+        # applied after; below it `post` is 1 and the product is torch's, bit for bit.
+        huge = scale > _SUBNORMAL_RECIPROCAL
+        inv = 1.0 / jnp.where(huge, scale * _RESCALE, scale)
+        post = jnp.where(huge, _RESCALE, jnp.float32(1.0))
 
         def unscale_leaf(g):
             g = jnp.asarray(g)
             if jnp.finfo(g.dtype).bits < 32:
-                return (g.astype(jnp.float32) * inv).astype(g.dtype)
-            return g * inv.astype(g.dtype)
+                return (g.astype(jnp.float32) * inv * post).astype(g.dtype)
+            return g * inv.astype(g.dtype) * post.astype(g.dtype)
 
         return map_floating(unscale_leaf, grads)
 

@@ -1,0 +1,238 @@
+"""jmp's loss scales: the same values, dtypes and pytree leaves as jmp, eagerly and under jit."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+
+import jamp.scaler as js
+
+# (name, jmp factory, jamp factory): the same loss scale built the same way in both libraries.
+LOSS_SCALES = [
+    ("noop", lambda m: m.NoOpLossScale()),
+    ("static", lambda m: m.StaticLossScale(jnp.float32(2.0**10))),
+    ("dynamic", lambda m: m.DynamicLossScale(jnp.float32(2.0**15))),
+    ("dynamic_p3_f4", lambda m: m.DynamicLossScale(jnp.float32(8.0), period=3, factor=4)),
+]
+
+TREE = {"a": jnp.array([1.5, -2.0, 3.0], jnp.float32), "b": (jnp.float32(0.25),)}
+
+
+@pytest.mark.parametrize("name,make", LOSS_SCALES, ids=[n for n, _ in LOSS_SCALES])
+def test_scale_unscale_match_jmp(name, make, maybe_jit):
+    ours, theirs = make(js), make(jmp)
+    scaled = maybe_jit(lambda ls, t: ls.scale(t))(ours, TREE)
+    assert_trees_equal(scaled, theirs.scale(TREE))
+    unscaled = maybe_jit(lambda ls, t: ls.unscale(t))(ours, scaled)
+    assert_trees_equal(unscaled, theirs.unscale(theirs.scale(TREE)))
+    assert np.asarray(ours.loss_scale) == np.asarray(theirs.loss_scale)
+
+
+@pytest.mark.parametrize("name,make", LOSS_SCALES, ids=[n for n, _ in LOSS_SCALES])
+def test_pytree_leaves_match_jmp(name, make):
+    ours, theirs = make(js), make(jmp)
+    ours_leaves = jax.tree_util.tree_leaves(ours)
+    theirs_leaves = jax.tree_util.tree_leaves(theirs)
+    assert len(ours_leaves) == len(theirs_leaves)
+    for a, b in zip(ours_leaves, theirs_leaves):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dynamic_fields_and_defaults_match_jmp():
+    ours = js.DynamicLossScale(jnp.float32(4.0))
+    theirs = jmp.DynamicLossScale(jnp.float32(4.0))
+    for field in ("counter", "period", "factor", "min_loss_scale"):
+        a, b = getattr(ours, field), getattr(theirs, field)
+        np.testing.assert_array_equal(a, b)
+        assert np.asarray(a).dtype == np.asarray(b).dtype, field
+    assert ours.max_loss_scale is None
+
+
+def test_dynamic_adjust_trajectory_matches_jmp(maybe_jit):
+    rng = np.random.default_rng(0)
+    finites = rng.random(300) < 0.9
+    ours = js.DynamicLossScale(jnp.float32(2.0**15), period=5)
+    theirs = jmp.DynamicLossScale(jnp.float32(2.0**15), period=5)
+    adjust = maybe_jit(lambda ls, f: ls.adjust(f))
+    for f in finites:
+        ours = adjust(ours, jnp.asarray(f))
+        theirs = theirs.adjust(jnp.asarray(f))
+        assert np.asarray(ours.loss_scale) == np.asarray(theirs.loss_scale)
+        assert int(ours.counter) == int(theirs.counter)
+        assert ours.loss_scale.dtype == theirs.loss_scale.dtype
+        assert ours.counter.dtype == theirs.counter.dtype
+
+
+def test_dynamic_rule_by_hand():
+    ls = js.DynamicLossScale(jnp.float32(16.0), period=2, factor=2)
+    ls = ls.adjust(jnp.array(True))
+    assert (float(ls.loss_scale), int(ls.counter)) == (16.0, 1)
+    ls = ls.adjust(jnp.array(True))  # second finite step in a row: grow, counter back to 0
+    assert (float(ls.loss_scale), int(ls.counter)) == (32.0, 0)
+    ls = ls.adjust(jnp.array(False))
+    assert (float(ls.loss_scale), int(ls.counter)) == (16.0, 0)
+
+
+def test_dynamic_never_grows_to_inf():
+    big = jnp.float32(np.finfo(np.float32).max / 1.5)
+    ls = js.DynamicLossScale(big, period=1).adjust(jnp.array(True))
+    assert float(ls.loss_scale) == float(big)
+
+
+def test_min_loss_scale_floors_and_survives_jit():
+    ls = js.DynamicLossScale(jnp.float32(8.0), min_loss_scale=np.float32(4.0))
+    step = jax.jit(lambda ls: ls.adjust(jnp.array(False)))
+    ls = step(step(step(ls)))
+    assert float(ls.loss_scale) == 4.0
+    assert float(ls.min_loss_scale) == 4.0
+
+
+def test_max_loss_scale_is_a_ceiling():
+    ls = js.DynamicLossScale(jnp.float32(2.0**23), period=1, max_loss_scale=2.0**24)
+    step = jax.jit(lambda ls: ls.adjust(jnp.array(True)))
+    ls = step(step(step(ls)))
+    assert float(ls.loss_scale) == 2.0**24
+    assert ls.max_loss_scale == 2.0**24
+
+
+def test_static_loss_scale_crosses_jit_as_static_data():
+    ls = js.StaticLossScale(jnp.float32(128.0))
+    out = jax.jit(lambda ls, x: ls.scale(x))(ls, jnp.float32(2.0))
+    assert float(out) == 256.0
+    assert ls == js.StaticLossScale(jnp.float32(128.0))
+    assert hash(ls) == hash(js.StaticLossScale(np.float32(128.0)))
+    assert ls != js.StaticLossScale(jnp.float32(64.0))
+
+
+def test_noop_loss_scale():
+    ls = js.NoOpLossScale()
+    assert ls.loss_scale == 1
+    assert ls.scale(TREE) is TREE and ls.unscale(TREE) is TREE
+    assert ls.adjust(jnp.array(False)) is ls
+
+
+@pytest.mark.parametrize("tree,expected", [
+    ({"a": jnp.ones(3), "b": jnp.zeros(2)}, True),
+    ({"a": jnp.array([1.0, jnp.inf]), "b": jnp.zeros(2)}, False),
+    ({"a": jnp.ones(3), "b": jnp.array([jnp.nan])}, False),
+    ({"a": jnp.array([-jnp.inf], jnp.float16)}, False),
+    ({"a": jnp.array([1.0], jnp.bfloat16), "b": jnp.ones(2, jnp.float16)}, True),
+    ({}, True),
+    ({"step": jnp.array(3, jnp.int32), "mask": jnp.array([True, False]), "none": None}, True),
+    ({"step": 7, "w": jnp.ones(2)}, True),
+    ({"step": 7, "w": jnp.array([jnp.nan], jnp.float16)}, False),
+], ids=["finite", "inf", "nan", "f16-neg-inf", "bf16-f16", "empty", "int-bool-none",
+        "python-int", "python-int-f16-nan"])
+def test_all_finite(tree, expected, maybe_jit):
+    got = maybe_jit(js.all_finite)(tree)
+    assert got.shape == () and got.dtype == jnp.bool_
+    assert bool(got) is expected
+
+
+def test_all_finite_matches_jmp_on_float_trees():
+    for tree in ({"a": jnp.ones(3)}, {"a": jnp.array([jnp.nan])}, [jnp.ones(2), jnp.inf]):
+        assert bool(js.all_finite(tree)) == bool(jmp.all_finite(tree))
+
+
+def test_select_tree(maybe_jit):
+    a = {"w": jnp.ones(3), "count": jnp.array(1, jnp.int32)}
+    b = {"w": jnp.zeros(3), "count": jnp.array(2, jnp.int32)}
+    pick = maybe_jit(js.select_tree)
+    assert_trees_equal(pick(jnp.array(True), a, b), a)
+    assert_trees_equal(pick(jnp.array(False), a, b), b)
+    assert_trees_equal(js.select_tree(jnp.array(False), a, b),
+               jmp.select_tree(jnp.array(False), a, b))
+
+
+def test_select_tree_rejects_non_scalar_bool():
+    with pytest.raises(ValueError, match="scalar bool"):
+        js.select_tree(jnp.array([True]), 1.0, 2.0)
+    with pytest.raises(ValueError, match="int32"):
+        js.select_tree(jnp.array(1), 1.0, 2.0)
+
+
+def test_non_floating_leaves_pass_through(maybe_jit):
+    ls = js.DynamicLossScale(jnp.float32(4.0))
+    tree = {"w": jnp.ones(2, jnp.float32), "step": jnp.array(3, jnp.int32),
+            "mask": jnp.array([True]), "n": None}
+    out = maybe_jit(lambda ls, t: ls.unscale(ls.scale(t)))(ls, tree)
+    assert out["step"].dtype == jnp.int32 and int(out["step"]) == 3
+    assert out["mask"].dtype == jnp.bool_ and out["n"] is None
+    np.testing.assert_array_equal(out["w"], tree["w"])
+
+
+def test_mixed_half_and_float_grads_follow_jmp_dtypes():
+    ls = js.DynamicLossScale(jnp.float32(1024.0))
+    tree = {"h": jnp.array([0.5, 2.0], jnp.float16), "f": jnp.array([3.0], jnp.float32)}
+    got, want = ls.unscale(tree), jmp.DynamicLossScale(jnp.float32(1024.0)).unscale(tree)
+    for k in tree:
+        assert got[k].dtype == want[k].dtype
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+BAD = [
+    (lambda: js.DynamicLossScale(jnp.float32(-1.0)), r"loss_scale.*> 0.*-1"),
+    (lambda: js.DynamicLossScale(jnp.float32(0.0)), r"loss_scale.*> 0"),
+    (lambda: js.DynamicLossScale(jnp.float32(np.inf)), r"loss_scale.*finite"),
+    (lambda: js.StaticLossScale(-2.0), r"StaticLossScale.loss_scale.*-2.0"),
+    (lambda: js.DynamicLossScale(jnp.float32(1.0), period=2.5), r"period.*integer.*2.5"),
+    (lambda: js.DynamicLossScale(jnp.float32(1.0), period=0), r"period.*>= 1.*0"),
+    (lambda: js.DynamicLossScale(jnp.float32(1.0), factor=1), r"factor.*> 1.*1"),
+    (lambda: js.DynamicLossScale(jnp.float32(1.0), min_loss_scale=0.0), r"min_loss_scale"),
+    (lambda: js.DynamicLossScale(jnp.float32(8.0), min_loss_scale=4.0, max_loss_scale=2.0),
+     r"max_loss_scale.*>= min_loss_scale"),
+]
+
+
+@pytest.mark.parametrize("make,message", BAD, ids=[m for _, m in BAD])
+def test_bad_settings_raise_value_error(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_traced_loss_scale_is_not_validated():
+    # Inside jit the scale is a tracer: building the object must not try to read it.
+    out = jax.jit(lambda s: js.DynamicLossScale(s).scale(jnp.float32(2.0)))(jnp.float32(3.0))
+    assert float(out) == 6.0
+
+
+def test_integer_loss_scale_warns_like_jmp():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        js.DynamicLossScale(jnp.asarray(2**15))
+    assert any("Expected floating type for loss_scale" in str(w.message) for w in caught)
+
+
+def test_code_written_against_jmp_runs_by_changing_the_import():
+    def train(mp):  # a jmp-style training loop body, parametrized by the module
+        ls = mp.DynamicLossScale(jnp.float32(2.0**15), period=2)
+        params = jnp.ones(3)
+        for x in (1.0, np.inf, 1.0, 1.0, 1.0):
+            grads = jax.grad(lambda p: ls.scale(jnp.sum(p * x)))(params)
+            grads = ls.unscale(grads)
+            finite = mp.all_finite(grads)
+            ls = ls.adjust(finite)
+            params = mp.select_tree(finite, params - 0.1 * grads, params)
+        return params, ls.loss_scale, ls.counter
+
+    for a, b in zip(train(js), train(jmp)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dynamic_is_a_frozen_dataclass_like_jmp():
+    ls = js.DynamicLossScale(jnp.float32(2.0))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ls.period = 3
+
+
+def assert_trees_equal(a, b):
+    """Same structure, same dtypes, same values."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(x, y)
