@@ -34,10 +34,23 @@ def typeof(x) -> Any:
 
 
 def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
-    """Traces `fn(*args)` at abstract values to a closed jaxpr (public `jax.make_jaxpr`)."""
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-             for a in avals]
-    return jax.make_jaxpr(fn)(*specs)
+    """Traces `fn(*args)` at abstract values to a closed jaxpr (public `jax.make_jaxpr`).
+
+    The avals' shardings are kept: with explicit-axis meshes they are part of the type.
+    """
+    return jax.make_jaxpr(fn)(*map(_spec, avals))
+
+
+def _spec(aval) -> jax.ShapeDtypeStruct:
+    weak_type = getattr(aval, "weak_type", False)
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None:
+        try:
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type,
+                                        sharding=sharding)
+        except (TypeError, ValueError):
+            pass
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type)
 
 
 def name_stack(eqn: JaxprEqn):
