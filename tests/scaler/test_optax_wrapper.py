@@ -1,0 +1,330 @@
+"""loss_scaled: skipped steps leave everything as it was, composition with clipping and
+MultiSteps, several losses, extra args, reports and get_loss_scale."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp.scaler as js
+
+
+def tree_equal(a, b):
+    """Same structure, dtypes and bits."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def tree_close(a, b):
+    """Same structure and dtypes, values equal up to float32 rounding."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-8)
+
+
+def make_problem(seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    params = {"w": jax.random.normal(k1, (5, 3)), "b": jnp.zeros(3)}
+    x = jax.random.normal(k2, (8, 5))
+    y = jax.random.normal(k3, (8, 3))
+
+    def loss_fn(p, fault=1.0):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2) * fault
+
+    return params, loss_fn
+
+
+def fault_plan(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.choice(np.array([1.0, np.inf, np.nan], np.float32), size=n, p=[0.7, 0.2, 0.1])
+
+
+LOSS_SCALES = [
+    ("grad_scaler", lambda: js.GradScaler(growth_interval=3)),
+    ("dynamic", lambda: js.DynamicLossScale(jnp.float32(2.0**15), period=3)),
+    ("static", lambda: 1024.0),
+    ("default", lambda: None),
+]
+
+
+@pytest.mark.parametrize("name,make_ls", LOSS_SCALES, ids=[n for n, _ in LOSS_SCALES])
+def test_fault_injection_skips_leave_params_and_inner_state_untouched(name, make_ls, maybe_jit):
+    params, loss_fn = make_problem()
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    tx = js.loss_scaled(inner, make_ls())
+    opt_state = tx.init(params)
+    ref_state = inner.init(params)  # plain adamw fed only the finite steps' true grads
+    ref_params = params
+
+    @maybe_jit
+    def step(params, opt_state, fault):
+        ls = js.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: ls.scale(loss_fn(p, fault)))(params)
+        updates, new_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state, updates
+
+    faults = fault_plan(30, seed=2)
+    for i, fault in enumerate(faults):
+        before_scale = np.asarray(js.get_loss_scale(opt_state).loss_scale)
+        new_params, new_state, updates = step(params, opt_state, jnp.float32(fault))
+        if np.isfinite(fault):
+            g = jax.grad(loss_fn)(ref_params)
+            u, ref_state = inner.update(g, ref_state, ref_params)
+            ref_params = optax.apply_updates(ref_params, u)
+            tree_close(new_state.inner_state, ref_state)
+            np.testing.assert_allclose(new_params["w"], ref_params["w"], rtol=1e-6, atol=1e-7)
+            assert bool(new_state.last_finite)
+        else:
+            tree_equal(new_params, params)
+            tree_equal(new_state.inner_state, opt_state.inner_state)
+            for u in jax.tree_util.tree_leaves(updates):
+                assert not np.asarray(u).any()
+            assert not bool(new_state.last_finite)
+            after = np.asarray(js.get_loss_scale(new_state).loss_scale)
+            if name != "static":
+                assert after == before_scale / 2
+        params, opt_state = new_params, new_state
+        # Step counts for logging.
+        assert int(opt_state.total_steps) == i + 1
+        assert int(opt_state.skipped_steps) == int((~np.isfinite(faults[: i + 1])).sum())
+    assert int(opt_state.inner_state[1][0].count) == int(np.isfinite(faults).sum())
+
+
+def test_clipping_sees_unscaled_grads(maybe_jit):
+    tx = js.loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)),
+                        js.DynamicLossScale(jnp.float32(2.0**15)))
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    ls = js.get_loss_scale(state)
+    update = maybe_jit(tx.update)
+    small = {"w": jnp.array([0.3, 0.4])}  # norm 0.5: not clipped
+    updates, _ = update(ls.scale(small), state, params)
+    np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)
+    big = {"w": jnp.array([3.0, 4.0])}  # norm 5: clipped to norm 1
+    updates, _ = update(ls.scale(big), state, params)
+    np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-6)
+
+
+def test_multisteps_recipe_unscales_once_per_window():
+    """Apex's accumulation (delay_unscale): MultiSteps outside, loss_scaled inside."""
+    params, loss_fn = make_problem()
+    k = 4
+    tx = optax.MultiSteps(js.loss_scaled(optax.adam(1e-2), js.GradScaler(growth_interval=2)),
+                          every_k_schedule=k)
+    state = tx.init(params)
+
+    @jax.jit
+    def micro_step(params, state, fault):
+        ls = js.get_loss_scale(state)
+        # Divide by k as Apex's recipe does; MultiSteps averages anyway, so use the mean.
+        grads = jax.grad(lambda p: ls.scale(loss_fn(p, fault)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    scale0 = float(js.get_loss_scale(state).loss_scale)
+    ref = optax.adam(1e-2)
+    ref_state, ref_params = ref.init(params), params
+    # Window 1: finite. The scale holds during the window; the applied step is adam's on the
+    # mean of the k unscaled grads.
+    for i in range(k):
+        params, state = micro_step(params, state, jnp.float32(1.0))
+        if i < k - 1:
+            assert float(js.get_loss_scale(state).loss_scale) == scale0
+    g = jax.grad(loss_fn)(ref_params)
+    u, ref_state = ref.update(g, ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, u)
+    np.testing.assert_allclose(params["w"], ref_params["w"], rtol=1e-6)
+    inner = state.inner_opt_state
+    assert int(inner.total_steps) == 1 and int(inner.skipped_steps) == 0
+    # Window 2: one micro-batch overflows -> the whole window is skipped, the scale backs off
+    # once, adam's count and moments stay.
+    adam_before = inner.inner_state
+    params_before = params
+    for fault in (1.0, np.inf, 1.0, 1.0):
+        params, state = micro_step(params, state, jnp.float32(fault))
+    tree_equal(params, params_before)
+    inner = state.inner_opt_state
+    tree_equal(inner.inner_state, adam_before)
+    assert int(inner.total_steps) == 2 and int(inner.skipped_steps) == 1
+    assert float(js.get_loss_scale(state).loss_scale) == scale0 / 2
+
+
+def test_several_losses_have_independent_scales(maybe_jit):
+    params = {"w": jnp.ones(3)}
+    tx = js.loss_scaled(optax.sgd(0.1), js.DynamicLossScale(jnp.float32(2.0**10), period=2),
+                        num_losses=3)
+    state = tx.init(params)
+    rng = np.random.default_rng(5)
+    plan = rng.random((40, 3)) < 0.8  # per step and loss: finite?
+    refs = [js.DynamicLossScale(jnp.float32(2.0**10), period=2) for _ in range(3)]
+
+    @maybe_jit
+    def step(params, state, finite_mask):
+        grads = []
+        for loss_id in range(3):
+            ls = js.get_loss_scale(state, loss_id=loss_id)
+            fault = jnp.where(finite_mask[loss_id], 1.0, jnp.inf)
+            grads.append(jax.grad(
+                lambda p: ls.scale(jnp.sum(p["w"]) * (loss_id + 1) * fault))(params))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    expected_params = params
+    for row in plan:
+        params, state = step(params, state, jnp.asarray(row))
+        refs = [r.adjust(jnp.asarray(f)) for r, f in zip(refs, row)]
+        for loss_id, ref in enumerate(refs):
+            got = js.get_loss_scale(state, loss_id=loss_id)
+            assert float(got.loss_scale) == float(ref.loss_scale)
+            assert int(got.counter) == int(ref.counter)
+        if row.all():  # the unscaled grads of the three losses are summed: 1 + 2 + 3
+            expected_params = {"w": expected_params["w"] - 0.1 * 6.0}
+        np.testing.assert_allclose(params["w"], expected_params["w"], rtol=1e-6)
+    assert int(state.skipped_steps) == int((~plan.all(axis=1)).sum())
+    # The scales really went different ways.
+    assert len({float(js.get_loss_scale(state, i).loss_scale) for i in range(3)}) > 1
+
+
+def test_several_losses_take_a_scale_per_loss():
+    tx = js.loss_scaled(optax.sgd(1.0), [js.GradScaler(), 8.0], num_losses=2)
+    state = tx.init({"w": jnp.ones(1)})
+    assert isinstance(js.get_loss_scale(state, 0), js.GradScalerState)
+    assert float(js.get_loss_scale(state, 1).loss_scale) == 8.0
+    with pytest.raises(ValueError, match="loss_id.*\\[0, 2\\).*2"):
+        js.get_loss_scale(state, loss_id=2)
+    with pytest.raises(ValueError, match="sequence of 2 grad trees.*1"):
+        tx.update([{"w": jnp.ones(1)}], state)
+    with pytest.raises(ValueError, match="3 entries.*num_losses is 2"):
+        js.loss_scaled(optax.sgd(1.0), [1.0, 2.0, 4.0], num_losses=2)
+
+
+def test_extra_args_reach_the_inner_transformation(maybe_jit):
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, factor):
+        return jax.tree_util.tree_map(lambda u: u * factor, updates), state
+
+    tx = js.loss_scaled(optax.GradientTransformationExtraArgs(init, update), 4.0)
+    state = tx.init({"w": jnp.ones(2)})
+    updates, _ = maybe_jit(tx.update)({"w": jnp.array([4.0, 8.0])}, state, None, factor=3.0)
+    np.testing.assert_array_equal(updates["w"], [3.0, 6.0])
+
+
+def test_non_floating_and_none_leaves_pass_and_never_count(maybe_jit):
+    tx = js.loss_scaled(optax.identity(), js.GradScaler(init_scale=4.0))
+    grads = {"w": jnp.array([4.0, 8.0]), "step": jnp.array(7, jnp.int32),
+             "mask": jnp.array([True, False]), "none": None}
+    state = tx.init(grads)
+    updates, state = maybe_jit(tx.update)(grads, state)
+    assert bool(state.last_finite) and int(state.skipped_steps) == 0
+    np.testing.assert_array_equal(updates["w"], [1.0, 2.0])
+    assert updates["step"].dtype == jnp.int32 and int(updates["step"]) == 7
+    assert updates["mask"].dtype == jnp.bool_ and updates["none"] is None
+
+
+def test_mixed_half_and_float_grads(maybe_jit):
+    params = {"h": jnp.ones(3, jnp.float16), "f": jnp.ones(2, jnp.float32)}
+
+    def loss(p):
+        return jnp.sum(p["h"].astype(jnp.float32) ** 2) + jnp.sum(p["f"] ** 2)
+
+    def run(init_scale):
+        tx = js.loss_scaled(optax.adam(1e-2), js.GradScaler(init_scale=init_scale))
+
+        @maybe_jit
+        def step(params, state):
+            ls = js.get_loss_scale(state)
+            grads = jax.grad(lambda p: ls.scale(loss(p)))(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, grads
+
+        return step(params, tx.init(params))
+
+    new_params, state, grads = run(256.0)
+    assert grads["h"].dtype == jnp.float16 and grads["f"].dtype == jnp.float32
+    assert new_params["h"].dtype == jnp.float16 and new_params["f"].dtype == jnp.float32
+    assert bool(state.last_finite)
+    assert float(new_params["f"][0]) < 1.0 and float(new_params["h"][0]) < 1.0
+    # 2 * 2**20 overflows float16 only: the overflow in one leaf skips the whole step.
+    new_params, state, grads = run(2.0**20)
+    assert np.isinf(np.asarray(grads["h"])).any() and np.isfinite(np.asarray(grads["f"])).all()
+    assert not bool(state.last_finite)
+    tree_equal(new_params, params)
+
+
+def test_loss_scale_spellings():
+    def first(ls):
+        return js.get_loss_scale(js.loss_scaled(optax.sgd(1.0), ls).init({"w": jnp.ones(1)}))
+
+    for spelling in (None, "dynamic"):
+        ls = first(spelling)
+        assert isinstance(ls, js.GradScalerState)
+        assert float(ls.loss_scale) == 65536.0 and ls.growth_interval == 2000
+    assert first(128.0) == js.StaticLossScale(jnp.float32(128.0))
+    assert first("128.0") == js.StaticLossScale(jnp.float32(128.0))
+    assert isinstance(first(js.NoOpLossScale()), js.NoOpLossScale)
+    dyn = js.DynamicLossScale(jnp.float32(4.0))
+    assert first(dyn) is dyn
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("dyanmic", r"loss_scale must be.*'dyanmic'"),
+    (-1.0, r"loss_scale.*> 0.*-1"),
+    (0, r"loss_scale.*> 0"),
+    (True, r"loss_scale must be.*True"),
+    (object, r"loss_scale must be"),
+])
+def test_bad_loss_scale_raises(bad, message):
+    with pytest.raises(ValueError, match=message):
+        js.loss_scaled(optax.sgd(1.0), bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_num_losses_raises(bad):
+    with pytest.raises(ValueError, match=f"num_losses.*{bad}"):
+        js.loss_scaled(optax.sgd(1.0), num_losses=bad)
+
+
+def test_get_loss_scale_finds_the_wrapper_anywhere():
+    params = {"w": jnp.ones(2)}
+    wrapped = js.loss_scaled(optax.adam(1e-3), js.GradScaler(init_scale=64.0))
+    for tx in (wrapped, optax.chain(optax.scale(2.0), wrapped),
+               optax.MultiSteps(wrapped, every_k_schedule=2),
+               optax.multi_transform({"a": wrapped}, {"w": "a"})):
+        ls = js.get_loss_scale(tx.init(params))
+        assert float(ls.loss_scale) == 64.0
+        assert float(ls.scale(jnp.float32(2.0))) == 128.0
+        np.testing.assert_array_equal(ls.unscale({"g": jnp.full(2, 64.0)})["g"], [1.0, 1.0])
+    with pytest.raises(ValueError, match="exactly one loss_scaled state, found 0"):
+        js.get_loss_scale(optax.adam(1e-3).init(params))
+    two = optax.chain(wrapped, wrapped).init(params)
+    with pytest.raises(ValueError, match="found 2"):
+        js.get_loss_scale(two)
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_report_prints_apex_message_on_skips_only(use_jit, capfd):
+    tx = js.loss_scaled(optax.sgd(1.0), js.GradScaler(), report=True)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update) if use_jit else tx.update
+    _, state = update({"w": jnp.array([1.0, 2.0])}, state, params)
+    jax.effects_barrier()
+    assert "Gradient overflow" not in capfd.readouterr().out
+    _, state = update({"w": jnp.array([1.0, jnp.inf])}, state, params)
+    jax.effects_barrier()
+    out = capfd.readouterr().out
+    assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" in out
+
+
+def test_report_is_off_by_default(capfd):
+    tx = js.loss_scaled(optax.sgd(1.0))
+    state = tx.init({"w": jnp.ones(1)})
+    tx.update({"w": jnp.array([jnp.nan])}, state)
+    jax.effects_barrier()
+    assert "Gradient overflow" not in capfd.readouterr().out
