@@ -40,7 +40,9 @@ def scaled_value_and_grad(
       argnums: which positional arguments of `fun` to differentiate.
       has_aux: `fun` returns `(loss, aux)`.
       axis_name: a shard_map/pmap axis: grads are averaged over it (`lax.pmean`) and all
-        replicas agree on `finite`.
+        replicas agree on `finite`. (Under `jax.shard_map`, grads of parameters that are
+        replicated across the axis come back from JAX already summed over it; the pmean
+        leaves such grads as they are.)
 
     Returns:
       A function `(loss_scale, *args, **kwargs) -> ScaledValueAndGrad`, where `loss_scale` is
