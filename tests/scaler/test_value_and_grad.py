@@ -85,11 +85,14 @@ def test_agrees_with_flax_dynamic_scale_on_values_grads_and_finiteness():
 
 
 def test_half_precision_loss_is_scaled_without_overflow():
-    # A float16 loss times 2**15 would overflow in float16; the scale promotes it to float32.
+    # The float16 loss (32) times 2**12 would overflow in float16; the scale promotes it to
+    # float32, while the float16 backward (2**12 * 8) still fits.
     def fn(w):
         return jnp.sum(w.astype(jnp.float16) * jnp.float16(8.0))
 
-    ls = js.DynamicLossScale(jnp.float32(2.0**15))
+    ls = js.DynamicLossScale(jnp.float32(2.0**12))
+    assert ls.scale(fn(jnp.ones(4))).dtype == jnp.float32
     value, grads, finite, _ = js.scaled_value_and_grad(fn)(ls, jnp.ones(4, jnp.float32))
     assert bool(finite) and value.dtype == jnp.float16
     np.testing.assert_array_equal(grads, np.full(4, 8.0, np.float32))
+    assert float(value) == 32.0
