@@ -18,7 +18,7 @@ The defaults follow torch's autocast op reference for each device, mapped to the
   power and reduction primitives behind torch's float32 list (softmax, log_softmax, layer_norm,
   the losses and norms are composites of these) in float32.
 - "cpu", bfloat16 by default: matmuls and convolutions lower; torch's CPU float32 list maps to
-  products, cumulative products, linear algebra and FFT. torch's CPU list has no `exp`, `log` or
+  products, linear algebra and FFT. torch's CPU list has no `exp`, `log` or
   `sum`, so neither has this table: softmax and reductions of bfloat16 values stay in bfloat16.
 - "tpu", bfloat16 by default: torch has no TPU list in core; this table uses the CUDA lists
   (as torch_xla does), with bfloat16.
@@ -68,7 +68,7 @@ _CUDA_FP32_OPS = (
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 )
 
-# torch CPU float32 list -> primitives: prod, cumprod (via torch's list of reductions), the
+# torch CPU float32 list -> primitives: prod (not cumprod: torch returns bfloat16 for it), the
 # linear algebra (cholesky*, inverse, lu_solve, qr, svd, eig*, triangular_solve, lstsq, ...)
 # and fft_*. Losses on the CPU list are composites whose primitives are not listed here (a
 # documented deviation: their logs/exps follow their inputs).
@@ -76,7 +76,7 @@ _LINALG_FFT_OPS = (
     "cholesky", "triangular_solve", "lu", "qr", "householder_product", "geqrf", "svd",
     "eigh", "eig", "schur", "hessenberg", "tridiagonal_solve", "fft",
 )
-_CPU_FP32_OPS = ("reduce_prod", "cumprod") + _LINALG_FFT_OPS
+_CPU_FP32_OPS = ("reduce_prod",) + _LINALG_FFT_OPS
 
 
 @dataclasses.dataclass(frozen=True)
