@@ -5,6 +5,9 @@ rule:
 
 - `LOWER`: floating inputs are cast to the autocast dtype (torch's "lower precision" list);
 - `FP32`: floating inputs are cast to float32 (torch's "float32" list);
+- `ACCUMULATE_FP32`: the op computes in float32 and its result is cast back to its inputs'
+  dtype (torch's CPU kernels accumulate reduced-precision sums in float; jnp does the same for
+  `jnp.sum` of half-precision arrays);
 - an explicit floating dtype (e.g. `np.dtype("float16")`): floating inputs are cast to it.
 
 A primitive that is not in the table runs in the widest floating dtype among its current inputs
@@ -19,7 +22,8 @@ The defaults follow torch's autocast op reference for each device, mapped to the
   the losses and norms are composites of these) in float32.
 - "cpu", bfloat16 by default: matmuls and convolutions lower; torch's CPU float32 list maps to
   products, linear algebra and FFT. torch's CPU list has no `exp`, `log` or
-  `sum`, so neither has this table: softmax and reductions of bfloat16 values stay in bfloat16.
+  `sum`: softmax, log and exp of bfloat16 values stay in bfloat16, and sums return bfloat16
+  (accumulated in float32, as torch's CPU kernels and jnp.sum do).
 - "tpu", bfloat16 by default: torch has no TPU list in core; this table uses the CUDA lists
   (as torch_xla does), with bfloat16.
 
@@ -45,6 +49,7 @@ from jamp.policy.dtypes import canonical_floating_dtype
 
 LOWER = "lower"
 FP32 = "fp32"
+ACCUMULATE_FP32 = "accumulate_fp32"
 
 Rule = Union[str, np.dtype]
 
@@ -78,6 +83,9 @@ _LINALG_FFT_OPS = (
 )
 _CPU_FP32_OPS = ("reduce_prod",) + _LINALG_FFT_OPS
 
+# torch's CPU sum/cumsum of bfloat16 return bfloat16 but accumulate in float (acc_type).
+_CPU_ACCUMULATE_OPS = ("reduce_sum", "cumsum")
+
 
 @dataclasses.dataclass(frozen=True)
 class OpTable:
@@ -86,7 +94,8 @@ class OpTable:
     Attributes:
       device_type: "cuda", "cpu" or "tpu" ("gpu" is an alias of "cuda").
       default_dtype: the autocast dtype when `jamp.autocast` is given none.
-      rules: primitive name -> `LOWER`, `FP32` or an explicit floating dtype. Read-only.
+      rules: primitive name -> `LOWER`, `FP32`, `ACCUMULATE_FP32` or an explicit floating
+        dtype. Read-only.
     """
 
     device_type: str
@@ -124,23 +133,25 @@ class OpTable:
 
 
 def _check_rule(name: str, rule: Rule) -> Rule:
-    if isinstance(rule, str) and rule in (LOWER, FP32):
+    if isinstance(rule, str) and rule in (LOWER, FP32, ACCUMULATE_FP32):
         return rule
     try:
         return canonical_floating_dtype(rule, f"rule for {name!r}")
     except ValueError as e:
         raise ValueError(
-            f"{e} The rule for {name!r} must be {LOWER!r}, {FP32!r} or a floating dtype.") from None
+            f"{e} The rule for {name!r} must be {LOWER!r}, {FP32!r}, {ACCUMULATE_FP32!r} or a "
+            "floating dtype.") from None
 
 
-def _table(device_type: str, dtype, fp32_ops) -> OpTable:
-    rules = {**{name: LOWER for name in _LOWER_OPS}, **{name: FP32 for name in fp32_ops}}
+def _table(device_type: str, dtype, fp32_ops, accumulate_ops=()) -> OpTable:
+    rules = {**{name: LOWER for name in _LOWER_OPS}, **{name: FP32 for name in fp32_ops},
+             **{name: ACCUMULATE_FP32 for name in accumulate_ops}}
     return OpTable(device_type, np.dtype(dtype), rules)
 
 
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
     "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS),
-    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS),
+    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS),
     "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
 })
 

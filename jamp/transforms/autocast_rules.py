@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.policy.autocast_tables import FP32, LOWER, OpTable, autocast_table
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER, OpTable, autocast_table
 from jamp.policy.dtypes import canonical_floating_dtype
 
 MARKER_PREFIX = "jamp_autocast"
@@ -178,13 +178,18 @@ def _fixed_dtype(primitive_name: str, region: Region) -> np.dtype | None:
     if not region.enabled:
         return None
     rule = region.table.rule(primitive_name)
-    if rule is None:
+    if rule is None or rule == ACCUMULATE_FP32:
         return None
     if rule == LOWER:
         return region.dtype
     if rule == FP32:
         return FLOAT32
     return np.dtype(rule)
+
+
+def accumulates_in_fp32(primitive_name: str, region: Region) -> bool:
+    """True for ops that compute in float32 and return their inputs' dtype."""
+    return region.enabled and region.table.rule(primitive_name) == ACCUMULATE_FP32
 
 
 def _promote(current, traced, follows, castable) -> list[np.dtype | None]:

@@ -152,7 +152,16 @@ def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
         changes = rules.result_dtype_params(params, traced[first], dtype_of(invals[first]))
         if changes:
             params = dict(params, **changes)
+        result = dtype_of(invals[first])
+        if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
+            invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
+            outs = jx.bind(eqn, dict(params, **rules.result_dtype_params(
+                params, result, rules.FLOAT32)), invals)
+            return [cast(o, result) if _is_floating(o) else o for o in outs]
     return jx.bind(eqn, params, invals)
+
+
+_BELOW_FP32 = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
 def _opaque(eqn, invals) -> list[Any]:

@@ -76,6 +76,11 @@ def test_cpu_table_follows_torchs_cpu_list(inspect):
 
     outs = raw(f, device_type="cpu")(X, W)
     assert [o.dtype for o in outs] == [BF16, BF16, F32]
+    # The bfloat16 sum accumulates in float32 and returns bfloat16, as torch's CPU kernel does.
+    text = jax.jit(raw(f, device_type="cpu")).lower(X, W).as_text()
+    reduces = inspect.hlo_op_types(text, "reduce")
+    assert ("float32", "float32", "float32") in reduces
+    assert inspect.hlo_op_types(text, "exponential") == [("bfloat16",)]
 
 
 def test_softmax_in_float32_on_cuda(inspect):
@@ -231,5 +236,5 @@ def test_non_floating_dtype_is_refused(bad):
 
 
 def test_bad_table_rule_is_refused():
-    with pytest.raises(ValueError, match="'lower', 'fp32' or a floating dtype"):
+    with pytest.raises(ValueError, match="'lower', 'fp32', 'accumulate_fp32' or a floating dtype"):
         autocast_table("cpu").updated({"exp": "int32"})
