@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(VENV)/.installed-core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(VENV)/.installed-core
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+# Not part of the set-up: the speed benchmarks, with the peers they are measured against.
+bench: $(VENV)/.installed-test
+	$(PIP) install -e '.[bench]'
+	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
