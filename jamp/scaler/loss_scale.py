@@ -62,7 +62,9 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
         finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
     if axis_name is not None:
         finite = agree_across(finite, axis_name)
-    return finite
+    # Materialize the flag once: left to itself XLA copies the fold of the per-leaf results
+    # into every fusion that reads the flag (each select of the step), one copy per leaf.
+    return lax.optimization_barrier(finite)
 
 
 def agree_across(finite: jax.Array, axis_name: Any) -> jax.Array:

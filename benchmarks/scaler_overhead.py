@@ -1,0 +1,115 @@
+"""What loss scaling costs per training step, on a Flax transformer block stack.
+
+Prints, measured side by side in one process (interleaved rounds, median), the jitted train step
+time of each candidate over plain `optax.adam` without any scaling:
+  * `jamp.loss_scaled(adam)`: scale the loss, unscale, check, skip or step, adjust
+    (target <= 1.03 on the CPU);
+  * `optax.apply_if_finite(adam)`: the finiteness guard alone, no scaling;
+  * flax's `DynamicScale` + adam, with the params and the optimizer state selected by
+    `jnp.where` on the finite flag, as Flax's examples do.
+
+Run: python benchmarks/scaler_overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import optax
+from flax.training.dynamic_scale import DynamicScale
+
+import jamp
+from common import TransformerStack, next_token_loss, print_ratios, time_side_by_side
+
+
+def build_steps(loss, adam):
+    """A jitted `(params, state, tokens) -> (params, state)` for each candidate."""
+
+    def plain(params, state, tokens):
+        grads = jax.grad(loss)(params, tokens)
+        updates, state = adam.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    scaled_tx = jamp.loss_scaled(adam)
+
+    def loss_scaled(params, state, tokens):
+        ls = jamp.get_loss_scale(state)
+        grads = jax.grad(lambda p: ls.scale(loss(p, tokens)))(params)
+        updates, state = scaled_tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    guarded_tx = optax.apply_if_finite(adam, max_consecutive_errors=1_000_000)
+
+    def apply_if_finite(params, state, tokens):
+        grads = jax.grad(loss)(params, tokens)
+        updates, state = guarded_tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def flax_dynamic_scale(params, state, tokens):
+        ds, opt_state = state
+        ds, finite, _, grads = ds.value_and_grad(loss)(params, tokens)
+        updates, new_opt_state = adam.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params = jamp.select_tree(finite, new_params, params)
+        opt_state = jamp.select_tree(finite, new_opt_state, opt_state)
+        return params, (ds, opt_state)
+
+    inits = {
+        "optax.adam (no scaling)": adam.init,
+        "jamp.loss_scaled(adam)": scaled_tx.init,
+        "optax.apply_if_finite(adam)": guarded_tx.init,
+        "flax DynamicScale + adam": lambda p: (DynamicScale(), adam.init(p)),
+    }
+    steps = {
+        "optax.adam (no scaling)": plain,
+        "jamp.loss_scaled(adam)": loss_scaled,
+        "optax.apply_if_finite(adam)": apply_if_finite,
+        "flax DynamicScale + adam": flax_dynamic_scale,
+    }
+    return {name: (inits[name], jax.jit(fn, donate_argnums=(0, 1))) for name, fn in steps.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller model")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    if args.quick:
+        args.depth, args.rounds, args.steps = 2, 3, 3
+
+    model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
+    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 256)
+    init_params = model.init(jax.random.key(0), tokens)
+
+    def loss(params, tokens):
+        return next_token_loss(model.apply(params, tokens), tokens)
+
+    adam = optax.adam(1e-3)
+    candidates = {}
+    for name, (init, step) in build_steps(loss, adam).items():
+        # Each candidate trains its own copy, threading its state step after step.
+        carry = {"params": jax.tree_util.tree_map(lambda x: x.copy(), init_params)}
+        carry["state"] = init(carry["params"])
+
+        def run(step=step, carry=carry):
+            carry["params"], carry["state"] = step(carry["params"], carry["state"], tokens)
+            return carry["params"]
+
+        candidates[name] = run
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; transformer width "
+          f"{args.width}, depth {args.depth}, batch {args.batch}x{args.seq}")
+    times = time_side_by_side(candidates, rounds=args.rounds, steps=args.steps)
+    print_ratios("Train step time over plain adam (median of interleaved rounds):", times,
+                 baseline="optax.adam (no scaling)",
+                 targets={"jamp.loss_scaled(adam)": 1.03})
+
+
+if __name__ == "__main__":
+    main()
