@@ -135,6 +135,27 @@ def is_symbolic_zero(x) -> bool:
     return not hasattr(x, "dtype") or type(x).__name__ in ("Zero", "SymbolicZero")
 
 
+_NO_LOGS = object()
+
+
+def split_bwd_result(out) -> tuple[list, Any]:
+    """A custom_vjp bwd's flat cotangents and its backward-pass logs: newer jax (after 0.11.0)
+    returns `(cts, logs)` from the wrapped bwd, older jax the cotangents alone."""
+    if (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple))
+            and (out[1] is None or isinstance(out[1], dict))):
+        return list(out[0]), out[1]
+    return list(out), _NO_LOGS
+
+
+def has_no_logs(logs) -> bool:
+    return logs is _NO_LOGS
+
+
+def join_bwd_result(cts: list, logs, original_logs):
+    """Inverse of `split_bwd_result`."""
+    return cts if original_logs is _NO_LOGS else (cts, logs)
+
+
 def remat_options(params: dict) -> dict:
     """`jax.checkpoint` keywords that rebuild a `remat`/`checkpoint` equation."""
     return dict(prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))

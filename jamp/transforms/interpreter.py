@@ -254,19 +254,27 @@ def _custom_vjp_rule(eqn, invals, region, ctx):
     bwd_region = region.off_as_is()
 
     def wrap_bwd(bwd: Callable) -> Callable:
+        # The user's bwd is traced and evaluated with autocast off (or, under custom_bwd, in
+        # the forward's region); symbolic zeros pass around the trace untouched.
         def new_bwd(*args):
             if any(jx.is_symbolic_zero(a) for a in args):
                 return bwd(*args)
-            passed: dict = {}
+            seen: dict = {}
 
             def arrays_only(*a):
-                outs = list(bwd(*a))
-                passed["outs"] = outs
-                return [o for o in outs if not jx.is_symbolic_zero(o)]
+                cts, logs = jx.split_bwd_result(bwd(*a))
+                seen["cts"], seen["logs"] = cts, logs
+                leaves, seen["logs_tree"] = jax.tree_util.tree_flatten(
+                    None if jx.has_no_logs(logs) else logs)
+                return [c for c in cts if not jx.is_symbolic_zero(c)] + leaves
 
             closed = jx.trace_closed(arrays_only, [jx.typeof(a) for a in args])
-            values = iter(_eval_kept(closed, args, bwd_region, ctx))
-            return [o if jx.is_symbolic_zero(o) else next(values) for o in passed["outs"]]
+            values = _eval_kept(closed, args, bwd_region, ctx)
+            num_cts = len(values) - seen["logs_tree"].num_leaves
+            arrays = iter(values[:num_cts])
+            cts = [c if jx.is_symbolic_zero(c) else next(arrays) for c in seen["cts"]]
+            logs = jax.tree_util.tree_unflatten(seen["logs_tree"], values[num_cts:])
+            return jx.join_bwd_result(cts, logs, seen["logs"])
 
         return new_bwd
 
