@@ -67,7 +67,7 @@ def build_steps(loss, adam):
         "optax.apply_if_finite(adam)": apply_if_finite,
         "flax DynamicScale + adam": flax_dynamic_scale,
     }
-    return {name: (inits[name], jax.jit(fn, donate_argnums=(0, 1))) for name, fn in steps.items()}
+    return {name: (inits[name], jax.jit(fn)) for name, fn in steps.items()}
 
 
 def main():
