@@ -328,3 +328,25 @@ def test_report_is_off_by_default(capfd):
     tx.update({"w": jnp.array([jnp.nan])}, state)
     jax.effects_barrier()
     assert "Gradient overflow" not in capfd.readouterr().out
+
+
+def test_update_is_branch_free_with_one_finiteness_check_per_leaf():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2), "h": jnp.ones(4, jnp.float16)}
+    tx = js.loss_scaled(optax.adam(1e-3), js.GradScaler())
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)  # ClosedJaxpr or Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+    eqns = list(equations(jaxpr.jaxpr))
+    names = [e.primitive.name for e in eqns]
+    assert "cond" not in names and "while" not in names
+    # One check per floating leaf, shared by the select and the scale adjustment.
+    array_checks = [e for e in eqns if e.primitive.name == "is_finite"
+                    and e.invars[0].aval.ndim > 0]
+    assert len(array_checks) == 3
