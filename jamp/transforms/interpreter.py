@@ -68,7 +68,7 @@ def cast(x, dtype):
 
 
 def _avals_key(values) -> tuple:
-    return tuple((tuple(a.shape), np.dtype(a.dtype), bool(getattr(a, "weak_type", False)))
+    return tuple((tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
                  for a in map(jx.typeof, values))
 
 
@@ -81,7 +81,9 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region,
 
     def read(atom):
         if isinstance(atom, jx.Literal):
-            return np.asarray(atom.val, dtype=atom.aval.dtype)
+            # As a numpy value of the literal's type, so casts of it stay literals.
+            return np.asarray(atom.val, dtype=atom.aval.dtype) if _is_floating(atom.aval) \
+                else atom.val
         return env[atom]
 
     def read_cast(atom, dtype):
