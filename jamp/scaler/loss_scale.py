@@ -109,17 +109,35 @@ def _warn_if_not_floating(x: Any, name: str) -> None:
 
 
 def _value_key(x: Any) -> Any:
-    """A hashable stand-in for a scalar: its value and dtype when concrete, else the object."""
+    """A hashable stand-in for a scalar setting, from which `_from_key` rebuilds it.
+
+    Python numbers and None are their own key; a concrete array scalar becomes its value and
+    dtype; anything else (a tracer) is kept as is.
+    """
+    if x is None or isinstance(x, (int, float)):
+        return x
     v = concrete_float(x)
     if v is None:
         return x
-    return (v, str(np.asarray(x).dtype))
+    return ("array", v, str(np.asarray(x).dtype))
+
+
+def _static_key(x: Any) -> Any:
+    """Value and kind of a concrete scalar, else None.
+
+    The kind matters: a jit cache hit between `StaticLossScale(128.0)` (weakly typed) and
+    `StaticLossScale(jnp.float32(128.0))` would hand one the other's output dtypes.
+    """
+    v = concrete_float(x)
+    if v is None:
+        return None
+    kind = type(x).__name__ if isinstance(x, (int, float)) else str(np.asarray(x).dtype)
+    return v, kind
 
 
 def _from_key(key: Any) -> Any:
-    if isinstance(key, tuple):
-        value, dtype = key
-        return np.asarray(value, dtype)
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "array":
+        return np.asarray(key[1], key[2])
     return key
 
 
@@ -175,12 +193,12 @@ class StaticLossScale:
             return True
         if type(other) is not type(self):
             return False
-        mine, theirs = _value_key(self.loss_scale), _value_key(other.loss_scale)
-        return isinstance(mine, tuple) and mine == theirs
+        mine, theirs = _static_key(self.loss_scale), _static_key(other.loss_scale)
+        return mine is not None and mine == theirs
 
     def __hash__(self):
-        key = _value_key(self.loss_scale)
-        return hash(key) if isinstance(key, tuple) else id(self)
+        key = _static_key(self.loss_scale)
+        return id(self) if key is None else hash(key)
 
 
 @jax.tree_util.register_pytree_node_class

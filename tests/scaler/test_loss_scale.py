@@ -236,3 +236,19 @@ def assert_trees_equal(a, b):
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         assert np.asarray(x).dtype == np.asarray(y).dtype
         np.testing.assert_array_equal(x, y)
+
+
+def test_static_equality_distinguishes_python_and_array_scales():
+    # Equal objects share a jit cache entry, so they must also give equal dtypes.
+    assert js.StaticLossScale(128.0) != js.StaticLossScale(jnp.float32(128.0))
+    half = jnp.ones(2, jnp.float16)
+    f = jax.jit(lambda ls, x: ls.scale(x))
+    assert f(js.StaticLossScale(128.0), half).dtype == jnp.float16
+    assert f(js.StaticLossScale(jnp.float32(128.0)), half).dtype == jnp.float32
+
+
+def test_python_number_settings_stay_python_numbers_through_jit():
+    ls = js.DynamicLossScale(jnp.float32(2.0), min_loss_scale=0.5, max_loss_scale=2.0**24)
+    out = jax.jit(lambda ls: ls)(ls)
+    assert type(out.min_loss_scale) is float and type(out.max_loss_scale) is float
+    assert out.min_loss_scale == 0.5 and out.max_loss_scale == 2.0**24
