@@ -141,6 +141,21 @@ def _from_key(key: Any) -> Any:
     return key
 
 
+class _MultipliesByLossScale:
+    """`scale` and `unscale` of the jmp classes: jmp's arithmetic, on floating leaves only."""
+
+    loss_scale: Any
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating leaves of `tree` by the loss scale."""
+        return map_floating(lambda x: x * self.loss_scale, tree)
+
+    def unscale(self, tree: T) -> T:
+        """Multiplies the floating leaves of `tree` by the reciprocal of the loss scale."""
+        inv = 1 / self.loss_scale
+        return map_floating(lambda x: x * inv, tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
     """A loss scale that does nothing: `scale` and `unscale` return their input."""
@@ -161,7 +176,7 @@ class NoOpLossScale:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StaticLossScale:
+class StaticLossScale(_MultipliesByLossScale):
     """Scales and unscales by a fixed constant.
 
     Example:
@@ -175,13 +190,6 @@ class StaticLossScale:
     def __post_init__(self):
         check_positive("StaticLossScale.loss_scale", self.loss_scale)
         _warn_if_not_floating(self.loss_scale, "loss_scale")
-
-    def scale(self, tree: T) -> T:
-        return map_floating(lambda x: x * self.loss_scale, tree)
-
-    def unscale(self, tree: T) -> T:
-        inv = 1 / self.loss_scale
-        return map_floating(lambda x: x * inv, tree)
 
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
         del grads_finite
@@ -203,7 +211,7 @@ class StaticLossScale:
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_MultipliesByLossScale):
     """Dynamic loss scale (jmp's rule, with Apex's optional ceiling).
 
     Every `period` consecutive finite steps the scale grows by `factor` (never to inf, never over
@@ -242,13 +250,6 @@ class DynamicLossScale:
                     f"{self.max_loss_scale!r}.")
         _warn_if_not_floating(self.loss_scale, "loss_scale")
         _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
-
-    def scale(self, tree: T) -> T:
-        return map_floating(lambda x: x * self.loss_scale, tree)
-
-    def unscale(self, tree: T) -> T:
-        inv = 1 / self.loss_scale
-        return map_floating(lambda x: x * inv, tree)
 
     def tree_flatten(self):
         meta = (self.period, self.factor, _value_key(self.min_loss_scale),
