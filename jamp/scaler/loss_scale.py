@@ -9,8 +9,8 @@ by changing the import. Where jamp differs, it is on purpose:
 - `DynamicLossScale` keeps `min_loss_scale` (and Apex's optional `max_loss_scale`) in its static
   pytree metadata, so they survive `jax.jit` (jmp's unflatten resets `min_loss_scale`).
 - Bad settings raise `ValueError` naming the value (jmp accepts them).
-- `StaticLossScale` compares and hashes by value, so one holding a concrete array can cross a
-  `jax.jit` boundary as static data.
+- `StaticLossScale` compares and hashes by value and kind, so one holding a concrete array can
+  cross a `jax.jit` boundary as static data.
 """
 
 from __future__ import annotations
