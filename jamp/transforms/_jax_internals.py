@@ -20,7 +20,6 @@ ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
-Var = jex_core.Var
 
 # Needed for equation source info (name stacks carry autocast regions) and for re-wrapping the
 # lazily traced derivative rules of custom_jvp/custom_vjp, which are `lu.WrappedFun`s.

@@ -75,14 +75,17 @@ def check_autocast_dtype(dtype) -> np.dtype:
     Raises:
       ValueError: naming the value and the accepted dtypes.
     """
+    accepted = ", ".join(AUTOCAST_DTYPES)
     try:
         result = canonical_floating_dtype(dtype, "dtype")
-    except ValueError as e:
-        raise ValueError(f"{e} autocast accepts {', '.join(AUTOCAST_DTYPES)}.") from None
+    except ValueError:
+        raise ValueError(
+            f"autocast dtype={dtype!r} is not a floating dtype autocast can use: expected one "
+            f"of {accepted}.") from None
     if result.name not in AUTOCAST_DTYPES:
         raise ValueError(
-            f"autocast dtype={dtype!r} is not supported: expected one of "
-            f"{', '.join(AUTOCAST_DTYPES)} (float64 values are never cast by autocast).")
+            f"autocast dtype={dtype!r} is not supported: expected one of {accepted} "
+            "(float64 values are never cast by autocast).")
     return result
 
 

@@ -1,7 +1,6 @@
 """Autocast through every higher-order primitive and transform: nested jit, scan, while/fori,
 cond/switch, checkpoint, custom_jvp, custom_vjp, shard_map, vmap and differentiation."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,6 @@ nesting, decorators, and regions carried into nested jit/scan and through differ
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
 import jamp
