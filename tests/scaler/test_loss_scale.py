@@ -126,8 +126,13 @@ def test_noop_loss_scale():
     ({"step": jnp.array(3, jnp.int32), "mask": jnp.array([True, False]), "none": None}, True),
     ({"step": 7, "w": jnp.ones(2)}, True),
     ({"step": 7, "w": jnp.array([jnp.nan], jnp.float16)}, False),
+    ({"empty": jnp.zeros((0, 3)), "w": jnp.ones(2)}, True),
+    ({"w": jnp.array([jnp.nan, 1.0, jnp.inf, -3.0])}, False),
+    ({"w": jnp.array([[1.0, 2.0], [jnp.nan, 4.0]], jnp.bfloat16)}, False),
+    ({"w": jnp.full((3,), np.finfo(np.float32).max)}, True),
 ], ids=["finite", "inf", "nan", "f16-neg-inf", "bf16-f16", "empty", "int-bool-none",
-        "python-int", "python-int-f16-nan"])
+        "python-int", "python-int-f16-nan", "zero-size", "nan-first", "bf16-nan-2d",
+        "float32-max"])
 def test_all_finite(tree, expected, maybe_jit):
     got = maybe_jit(js.all_finite)(tree)
     assert got.shape == () and got.dtype == jnp.bool_
