@@ -139,9 +139,7 @@ class AutocastRegion:
             with jax.named_scope(self.scope_name):
                 outs = interpreter.eval_jaxpr(closed, arrays, region, ctx)
             if self.cast_outputs:
-                outs = [interpreter.cast(o, np.dtype(a.dtype))
-                        if rules.is_castable(o.dtype) and rules.is_castable(a.dtype) else o
-                        for o, a in zip(outs, closed.out_avals)]
+                outs = interpreter.cast_to_avals(outs, closed.out_avals)
             return jax.tree_util.tree_unflatten(out_tree[-1], outs)
 
         return transformed

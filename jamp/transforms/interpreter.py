@@ -67,6 +67,13 @@ def cast(x, dtype):
     return lax.convert_element_type(x, dtype)
 
 
+def cast_to_avals(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    """Casts each castable floating value to the dtype of its aval (e.g. back to the traced
+    dtypes); other values are returned as they are."""
+    return [cast(v, a.dtype) if hasattr(v, "dtype") and rules.is_castable(dtype_of(v))
+            and rules.is_castable(a.dtype) else v for v, a in zip(values, avals)]
+
+
 def _avals_key(values) -> tuple:
     return tuple((tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
                  for a in map(jx.typeof, values))
@@ -172,10 +179,7 @@ def _opaque(eqn, invals) -> list[Any]:
 
 
 def _to_traced(eqn, invals) -> list[Any]:
-    return [cast(v, np.dtype(a.aval.dtype))
-            if hasattr(v, "dtype") and rules.is_castable(dtype_of(v))
-            and rules.is_castable(a.aval.dtype) else v
-            for a, v in zip(eqn.invars, invals)]
+    return cast_to_avals(invals, [a.aval for a in eqn.invars])
 
 
 # -- transformed sub-jaxprs -------------------------------------------------------------------
@@ -195,14 +199,8 @@ def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.C
     """`closed` transformed with its input and output types unchanged (casts inside)."""
     key = ("kept", closed, region)
     if key not in ctx.jaxprs:
-        out_dtypes = [np.dtype(a.dtype) for a in closed.out_avals]
-
-        def body(*args):
-            outs = eval_jaxpr(closed, args, region, ctx)
-            return [cast(o, d) if hasattr(o, "dtype") and rules.is_castable(dtype_of(o))
-                    and rules.is_castable(d) else o for o, d in zip(outs, out_dtypes)]
-
-        ctx.jaxprs[key] = jx.trace_closed(body, closed.in_avals)
+        ctx.jaxprs[key] = jx.trace_closed(
+            lambda *args: _eval_kept(closed, args, region, ctx), closed.in_avals)
     return ctx.jaxprs[key]
 
 
@@ -286,9 +284,7 @@ def _custom_vjp_rule(eqn, invals, region, ctx):
 
 
 def _eval_kept(closed, args, region, ctx) -> list[Any]:
-    outs = eval_jaxpr(closed, args, region, ctx)
-    return [cast(o, np.dtype(a.dtype)) if rules.is_castable(dtype_of(o))
-            and rules.is_castable(a.dtype) else o for o, a in zip(outs, closed.out_avals)]
+    return cast_to_avals(eval_jaxpr(closed, args, region, ctx), closed.out_avals)
 
 
 HIGHER_ORDER_RULES: dict[str, Callable] = {
