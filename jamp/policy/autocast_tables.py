@@ -107,6 +107,9 @@ class OpTable:
         object.__setattr__(self, "rules", MappingProxyType(checked))
         object.__setattr__(self, "default_dtype",
                            canonical_floating_dtype(self.default_dtype, "default_dtype"))
+        # Tables key caches of the autocast interpreter: hash once.
+        object.__setattr__(self, "_hash", hash((self.device_type, self.default_dtype, tuple(
+            sorted((k, str(v)) for k, v in checked.items())))))
 
     def rule(self, primitive_name: str) -> Rule | None:
         """The rule of a primitive, or None when it runs in its inputs' widest floating dtype."""
@@ -123,11 +126,10 @@ class OpTable:
             self, rules={k: v for k, v in self.rules.items() if k not in primitive_names})
 
     def __hash__(self):
-        return hash((self.device_type, self.default_dtype, tuple(sorted(
-            (k, str(v)) for k, v in self.rules.items()))))
+        return self._hash
 
     def __eq__(self, other):
-        return isinstance(other, OpTable) and hash(self) == hash(other) and (
+        return self is other or isinstance(other, OpTable) and self._hash == other._hash and (
             self.device_type, self.default_dtype, dict(self.rules)) == (
             other.device_type, other.default_dtype, dict(other.rules))
 
