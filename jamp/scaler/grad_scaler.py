@@ -46,7 +46,7 @@ def _times(scale: jax.Array, factor: float) -> jax.Array:
     first, which gives the same bits whenever the factor is a float32 number (2.0, 0.5, 0.25,
     0.75, 1.5, ...: every default and every power of two).
     """
-    if jax.config.jax_enable_x64:
+    if jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64:  # x64 is on
         return (scale.astype(jnp.float64) * np.float64(factor)).astype(jnp.float32)
     return scale * np.float32(factor)
 

@@ -335,3 +335,21 @@ def test_huge_scale_does_not_flush_grads_to_zero(scale, maybe_jit):
     got, found_inf = maybe_jit(scaler.unscale)(scaler.init(), grads)
     np.testing.assert_allclose(np.asarray(got["g"]), [0.5, -1.0], rtol=1e-6, atol=1e-6)
     assert not bool(found_inf)
+
+
+def test_non_float32_factors_match_torch_with_x64():
+    # torch applies the factor in double; with x64 on jamp does too, so 2.7 and 0.3 agree.
+    enable_x64 = getattr(jax, "enable_x64", None)
+    if enable_x64 is None:
+        pytest.skip("this jax has no jax.enable_x64 context")
+    settings = dict(init_scale=1000.0, growth_factor=2.7, backoff_factor=0.3, growth_interval=2)
+    faults = fault_sequence(200, seed=5)
+    want_scale, want_tracker, _ = torch_trajectory(settings, faults, X)
+    ours = js.GradScaler(**settings)
+    with enable_x64(True):
+        state = ours.init()
+        update = jax.jit(lambda s, f: ours.update(s, ~js.all_finite(f)))
+        for i, f in enumerate(faults):
+            state = update(state, jnp.float32(f))
+            assert ours.get_scale(state) == want_scale[i]
+            assert int(state.growth_tracker) == want_tracker[i]
