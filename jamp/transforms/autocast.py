@@ -85,6 +85,7 @@ class AutocastRegion:
         self.enabled = enabled
         self.cache_enabled = True if cache_enabled is None else bool(cache_enabled)
         self.cast_outputs = cast_outputs
+        self._custom_table = op_table is not None
         self._scopes: list = []
 
     def __repr__(self):
@@ -100,6 +101,10 @@ class AutocastRegion:
             dtype=self.dtype if self._explicit_dtype else None)
 
     def __enter__(self):
+        if self._custom_table:
+            raise ValueError(
+                "op_table applies to a transform (jamp.autocast(fn, op_table=...)); a region "
+                "(`with jamp.autocast(...)`) sets only enabled, dtype and device_type.")
         scope = jax.named_scope(self.scope_name)
         scope.__enter__()
         self._scopes.append(scope)

@@ -4,6 +4,7 @@ nesting, decorators, and regions carried into nested jit/scan and through differ
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import jamp
@@ -102,6 +103,13 @@ def test_region_outside_a_transform_changes_nothing():
     assert out.dtype == F32
     with jamp.autocast(enabled=False) as region:
         assert region.enabled is False
+
+
+def test_region_refuses_an_op_table():
+    table = jamp.transforms.autocast_table("cpu")
+    with pytest.raises(ValueError, match="op_table applies to a transform"):
+        with jamp.autocast(op_table=table):
+            pass
 
 
 def test_user_low_precision_inside_disabled_region_is_kept():
