@@ -14,7 +14,7 @@ from flax import nnx
 import jamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.common import TransformerStack, next_token_loss  # noqa: E402
+from benchmarks.common import Block, TransformerStack, next_token_loss  # noqa: E402
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -135,6 +135,37 @@ def test_transformer_matches_hand_written_bf16_dtypes(transformer, inspect):
                 and e.invars[0].aval.shape[0] == 16]
     weights_2d = [p for p in jax.tree.leaves(params) if p.ndim == 2 and p.shape[0] == 16]
     assert len(converts) == len(weights_2d)
+
+
+class ScannedBlocks(nn.Module):
+    """Blocks under nn.scan and nn.remat: scan, checkpoint and attention nested."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Step(nn.Module):
+            @nn.compact
+            def __call__(self, c, _):
+                return Block(num_heads=2)(c), None
+
+        x = nn.Dense(16)(x)
+        x, _ = nn.scan(nn.remat(Step), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=2)()(x, None)
+        return x
+
+
+def test_linen_scan_of_remat_blocks(inspect):
+    model = ScannedBlocks()
+    x = jax.random.normal(jax.random.key(5), (2, 4, 8))
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    loss = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+    auto = jamp.autocast(loss, device_type="cpu")
+    value, grads = jax.jit(jax.value_and_grad(auto))(variables, x)
+    want_value, want = jax.value_and_grad(loss)(variables, x)
+    assert abs(float(value) - float(want_value)) < 3e-2 * abs(float(want_value))
+    flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])
+    assert leaves_dtypes(grads) == {F32} and rel_err(flat(grads), flat(want)) < 3e-2
+    dots = inspect.lowered_op_types(jax.grad(auto), variables, x, op="dot_general")
+    assert dots and all(t == ("bfloat16",) * 3 for t in dots)
 
 
 class NNXMLP(nnx.Module):
