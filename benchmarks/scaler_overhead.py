@@ -8,7 +8,11 @@ time of each candidate over plain `optax.adam` without any scaling:
   * flax's `DynamicScale` + adam, with the params and the optimizer state selected by
     `jnp.where` on the finite flag, as Flax's examples do.
 
-Run: python benchmarks/scaler_overhead.py [--quick]
+`--donate` donates params and optimizer state to each jitted step (as many training loops do);
+on the CPU every candidate that makes the update depend on one global finite flag costs more
+then, jamp's included: see the figures it prints.
+
+Run: python benchmarks/scaler_overhead.py [--quick] [--donate]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jamp
 from common import TransformerStack, next_token_loss, print_ratios, time_side_by_side
 
 
-def build_steps(loss, adam):
+def build_steps(loss, adam, donate=False):
     """A jitted `(params, state, tokens) -> (params, state)` for each candidate."""
 
     def plain(params, state, tokens):
@@ -67,7 +71,9 @@ def build_steps(loss, adam):
         "optax.apply_if_finite(adam)": apply_if_finite,
         "flax DynamicScale + adam": flax_dynamic_scale,
     }
-    return {name: (inits[name], jax.jit(fn)) for name, fn in steps.items()}
+    donate_argnums = (0, 1) if donate else ()
+    return {name: (inits[name], jax.jit(fn, donate_argnums=donate_argnums))
+            for name, fn in steps.items()}
 
 
 def main():
@@ -79,6 +85,8 @@ def main():
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--donate", action="store_true",
+                        help="donate params and optimizer state to the jitted steps")
     args = parser.parse_args()
     if args.quick:
         args.depth, args.rounds, args.steps = 2, 3, 3
@@ -92,7 +100,7 @@ def main():
 
     adam = optax.adam(1e-3)
     candidates = {}
-    for name, (init, step) in build_steps(loss, adam).items():
+    for name, (init, step) in build_steps(loss, adam, args.donate).items():
         # Each candidate trains its own copy, threading its state step after step.
         carry = {"params": jax.tree_util.tree_map(lambda x: x.copy(), init_params)}
         carry["state"] = init(carry["params"])
@@ -104,7 +112,8 @@ def main():
         candidates[name] = run
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; transformer width "
-          f"{args.width}, depth {args.depth}, batch {args.batch}x{args.seq}")
+          f"{args.width}, depth {args.depth}, batch {args.batch}x{args.seq}"
+          f"{', buffers donated' if args.donate else ''}")
     times = time_side_by_side(candidates, rounds=args.rounds, steps=args.steps)
     print_ratios("Train step time over plain adam (median of interleaved rounds):", times,
                  baseline="optax.adam (no scaling)",
