@@ -32,6 +32,11 @@ def typeof(x) -> Any:
     return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
 
 
+def weak_aval(x) -> Any:
+    """The abstract value of `x`, weak-typed (as a Python scalar's would be)."""
+    return typeof(x).update(weak_type=True)
+
+
 def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
     """Traces `fn(*args)` at abstract values to a closed jaxpr (public `jax.make_jaxpr`).
 
@@ -90,17 +95,22 @@ def _wrap(fn: Callable, like) -> Any:
     return _lu.wrap_init(fn, debug_info=like.debug_info)
 
 
-def custom_jvp_params(params: dict, call_jaxpr: ClosedJaxpr,
-                      transform: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict:
+def custom_jvp_params(
+    params: dict, call_jaxpr: ClosedJaxpr,
+    transform: Callable[[ClosedJaxpr, tuple, tuple], ClosedJaxpr],
+) -> dict:
     """custom_jvp_call params with a new primal body and the user's jvp rule passed through
-    `transform` (same interface), traced lazily as JAX does when it differentiates."""
+    `transform(jvp_jaxpr, zeros, out_zeros)`, traced lazily as JAX does when it
+    differentiates. The jvp jaxpr takes the non-const primals, then the tangents that are not
+    symbolic zeros (`zeros`), and returns the primal outputs, then the output tangents that are
+    not zeros (`out_zeros`)."""
     jvp_fun = params["jvp_jaxpr_fun"]
     cache: dict = {}
 
     def jvp_jaxpr_fun(*zeros):
         if zeros not in cache:
             jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
-            new = transform(ClosedJaxpr(jaxpr, consts))
+            new = transform(ClosedJaxpr(jaxpr, consts), tuple(zeros), tuple(out_zeros))
             cache[zeros] = (new.jaxpr, new.consts, out_zeros)
         return cache[zeros]
 
@@ -126,6 +136,11 @@ def custom_vjp_params(params: dict, call_jaxpr: ClosedJaxpr,
     new_bwd = wrap_bwd(bwd.call_wrapped)
     return dict(params, call_jaxpr=call_jaxpr,
                 fwd_jaxpr_thunk=_wrap(fwd_jaxpr_thunk, thunk), bwd=_wrap(new_bwd, bwd))
+
+
+def tangent_aval(aval):
+    """The aval of a tangent of `aval` (float0 for integer primals)."""
+    return aval.to_tangent_aval()
 
 
 def is_symbolic_zero(x) -> bool:

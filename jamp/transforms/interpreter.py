@@ -4,13 +4,14 @@ First-order equations are re-bound with their inputs cast as `autocast_rules` de
 Higher-order primitives get a rule each that transforms the sub-jaxprs and re-binds the same
 primitive, so structure, custom derivative rules and loop carry types survive:
 
-- `jit` (and `closed_call`), `checkpoint`/`remat`, `shard_map`: the body is transformed for the
-  current input dtypes and may return lower-precision values, as the same ops would inline.
-- `scan`, `while`, `cond`, `custom_jvp_call`, `custom_vjp_call`: the body is transformed with
-  its interface kept (inputs and outputs in the traced dtypes), because carries must keep their
-  type and the user's derivative rules were traced for those dtypes. The user's jvp rule and fwd
-  are transformed like the body; the user's bwd runs with autocast off (torch's rule for custom
-  backward functions) unless it is wrapped in `jamp.custom_bwd`.
+- `jit` (and `closed_call`), `checkpoint`/`remat`, `shard_map`, `custom_jvp_call`: the body is
+  transformed for the current input dtypes and may return lower-precision values, as the same
+  ops would inline; a custom_jvp's rule is transformed for the same dtypes.
+- `scan`, `while`, `cond`, `custom_vjp_call`: the body is transformed with its interface kept
+  (inputs and outputs in the traced dtypes), because carries must keep their type and the
+  user's bwd was written for those dtypes. The user's fwd is transformed like the body; the
+  user's bwd runs with autocast off (torch's rule for custom backward functions) unless it is
+  wrapped in `jamp.custom_bwd`.
 
 Each distinct sub-jaxpr is transformed once per program (per region and input types).
 """
@@ -74,9 +75,9 @@ def cast_to_avals(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
             and rules.is_castable(a.dtype) else v for v, a in zip(values, avals)]
 
 
-def _avals_key(values) -> tuple:
+def _avals_key(avals) -> tuple:
     return tuple((tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
-                 for a in map(jx.typeof, values))
+                 for a in avals)
 
 
 def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region,
@@ -125,10 +126,13 @@ def _is_floating(aval) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _follows(atom) -> bool:
+def _follows(atom, value) -> bool:
+    """Python-scalar-like operands: rank-0 literals, and weak-typed values (a Python scalar
+    argument, or a literal passed into a sub-jaxpr, see `_weak_literal_avals`)."""
     if isinstance(atom, jx.Literal):
         return np.ndim(atom.val) == 0
-    return bool(getattr(atom.aval, "weak_type", False))
+    return bool(getattr(atom.aval, "weak_type", False)
+                or getattr(jx.typeof(value), "weak_type", False))
 
 
 def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
@@ -153,7 +157,7 @@ def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
     traced = [np.dtype(a.aval.dtype) if f else None for a, f in zip(eqn.invars, floating)]
     current = [dtype_of(read(a)) if f else None for a, f in zip(eqn.invars, floating)]
     targets = rules.input_targets(name, region, current, traced,
-                                  [_follows(a) for a in eqn.invars])
+                                  [_follows(a, read(a)) for a in eqn.invars])
     invals = [read_cast(a, t) for a, t in zip(eqn.invars, targets)]
     params = eqn.params
     first = next((i for i, f in enumerate(floating) if f), None)
@@ -187,12 +191,19 @@ def _to_traced(eqn, invals) -> list[Any]:
 def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
                 values: Sequence[Any]) -> jx.ClosedJaxpr:
     """`closed` transformed for the dtypes of `values`; outputs in whatever dtypes result."""
-    key = ("specialized", closed, region, _avals_key(values))
+    avals = _weak_literal_avals(values)
+    key = ("specialized", closed, region, _avals_key(avals))
     if key not in ctx.jaxprs:
         ctx.jaxprs[key] = jx.trace_closed(
-            lambda *args: eval_jaxpr(closed, args, region, ctx),
-            [jx.typeof(v) for v in values])
+            lambda *args: eval_jaxpr(closed, args, region, ctx), avals)
     return ctx.jaxprs[key]
+
+
+def _weak_literal_avals(values) -> list[Any]:
+    """Avals of the values passed into a sub-jaxpr; rank-0 literals (numpy scalars here) become
+    weak-typed, so that inside the body they still follow the other operand."""
+    return [jx.weak_aval(v) if isinstance(v, (np.ndarray, np.generic)) and np.ndim(v) == 0
+            else jx.typeof(v) for v in values]
 
 
 def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.ClosedJaxpr:
@@ -243,10 +254,24 @@ def _kept_rule(*jaxpr_params: str) -> Callable:
 
 
 def _custom_jvp_rule(eqn, invals, region, ctx):
-    call = interface_kept(eqn.params["call_jaxpr"], region, ctx)
-    params = jx.custom_jvp_params(eqn.params, call,
-                                  lambda cj: interface_kept(cj, region, ctx))
-    return jx.bind(eqn, params, _to_traced(eqn, invals))
+    # Specialized to the current dtypes, like jit: jax.nn.relu of a bfloat16 value stays
+    # bfloat16. The user's jvp rule is traced for the same dtypes and its outputs are cast to
+    # the primal body's, so primal and tangent types agree as JAX requires.
+    call = specialized(eqn.params["call_jaxpr"], region, ctx, invals)
+    primal_avals = [jx.typeof(v) for v in invals[eqn.params["num_consts"]:]]
+    out_avals = call.out_avals
+
+    def transform(jvp_closed, zeros, out_zeros):
+        tangent_avals = [jx.tangent_aval(a) for a, z in zip(primal_avals, zeros) if not z]
+        tangent_out_avals = [a for a, z in zip(out_avals, out_zeros) if not z]
+
+        def body(*args):
+            outs = eval_jaxpr(jvp_closed, args, region, ctx)
+            return cast_to_avals(outs, list(out_avals) + tangent_out_avals)
+
+        return jx.trace_closed(body, primal_avals + tangent_avals)
+
+    return jx.bind(eqn, jx.custom_jvp_params(eqn.params, call, transform), invals)
 
 
 def _custom_vjp_rule(eqn, invals, region, ctx):

@@ -140,8 +140,10 @@ def test_python_scalars_follow_and_never_widen(variant, inspect):
 
 def test_weak_typed_argument_follows(variant):
     f = raw(lambda x, w, s: (x @ w) * s, device_type="cpu")
-    # A traced float32 scalar array is a value of its own: it promotes like any float32 array.
-    assert variant(f)(X, W, jnp.asarray(3.0)).dtype == F32
+    # jnp.asarray(3.0) is weak-typed, like the Python scalar it came from: it follows.
+    assert variant(f)(X, W, jnp.asarray(3.0)).dtype == BF16
+    # A float32 scalar array with a dtype of its own promotes like any float32 array.
+    assert variant(f)(X, W, jnp.asarray(3.0, jnp.float32)).dtype == F32
     # A Python float argument is static (not traced): it behaves like a literal.
     assert f(X, W, 3.0).dtype == BF16
 

@@ -144,6 +144,38 @@ def test_custom_jvp_rule_still_used(variant, inspect):
     assert set(dot_types(inspect, jax.grad(g), X, W)) == {("bfloat16",) * 3}
 
 
+def test_custom_jvp_follows_its_input_dtype(variant, inspect):
+    # jax.nn.relu is a custom_jvp (around a jit): it runs in bfloat16 on a bfloat16 input, as
+    # torch's relu does, and its jvp rule (also transformed) gives the gradient.
+    f = lambda x, w: jax.nn.relu(x @ w) @ w
+    g = cpu(f, cast_outputs=False)
+    jaxpr = jax.make_jaxpr(g)(X, W)
+    (call,) = inspect.jaxpr_eqns(jaxpr, "custom_jvp_call")
+    assert inspect.eqn_dtypes(call) == (["bfloat16"], ["bfloat16"])
+    assert variant(g)(X, W).dtype == BF16
+    loss = lambda f: (lambda x, w: jnp.sum(f(x, w)))
+    got = variant(jax.grad(loss(g), argnums=1))(X, W)
+    assert got.dtype == F32 and rel_err(got, jax.grad(loss(f), argnums=1)(X, W)) < 3e-2
+
+
+def test_custom_jvp_softmax(inspect):
+    # Newer jax makes jax.nn.softmax a custom_jvp (this flag); both forms follow the table.
+    previous = jax.config.jax_softmax_custom_jvp
+    jax.config.update("jax_softmax_custom_jvp", True)
+    try:
+        f = lambda x, w: jax.nn.softmax(x @ w)
+        for device_type, exp_dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
+            g = jamp.autocast(f, device_type=device_type, cast_outputs=False)
+            assert len(inspect.jaxpr_eqns(jax.make_jaxpr(g)(X, W), "custom_jvp_call")) == 1
+            exps = inspect.jaxpr_eqns(jax.make_jaxpr(g)(X, W), "exp")
+            assert [inspect.eqn_dtypes(e)[1] for e in exps] == [[exp_dtype]]
+            loss = lambda f: (lambda x, w: jnp.sum(f(x, w)[:, 0]))
+            got = jax.jit(jax.grad(loss(g), argnums=1))(X, W)
+            assert rel_err(got, jax.grad(loss(f), argnums=1)(X, W)) < 3e-2
+    finally:
+        jax.config.update("jax_softmax_custom_jvp", previous)
+
+
 def test_custom_vjp_bwd_still_used(variant, inspect):
     @jax.custom_vjp
     def scaled_matmul(x, w):
