@@ -320,7 +320,12 @@ class GradScaler:
         check_growth_factor("growth_factor", state_dict["growth_factor"])
         check_backoff_factor("backoff_factor", state_dict["backoff_factor"])
         interval = check_interval("growth_interval", state_dict["growth_interval"])
-        tracker = check_interval("_growth_tracker", int(state_dict["_growth_tracker"]) + 1) - 1
+        # Any count torch can hold loads, even one past a since lowered growth_interval.
+        tracker = state_dict["_growth_tracker"]
+        if not (concrete_float(tracker) is not None and float(tracker).is_integer()
+                and float(tracker) >= 0):
+            raise ValueError(f"_growth_tracker must be an integer >= 0, got {tracker!r}.")
+        tracker = int(tracker)
         self._init_scale = scale
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])

@@ -280,6 +280,20 @@ def test_load_state_dict_missing_key():
                                          "backoff_factor": 0.5, "growth_interval": 3})
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("_growth_tracker", -1, r"_growth_tracker.*>= 0.*-1"),
+    ("_growth_tracker", 1.5, r"_growth_tracker.*1.5"),
+    ("scale", 0.0, r"scale.*> 0.*0.0"),
+    ("backoff_factor", 2.0, r"backoff_factor.*\(0, 1\).*2.0"),
+    ("growth_interval", 1.5, r"growth_interval.*integer.*1.5"),
+])
+def test_load_state_dict_rejects_bad_values(key, value, message):
+    good = {"scale": 2.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+            "_growth_tracker": 1}
+    with pytest.raises(ValueError, match=message):
+        js.GradScaler().load_state_dict({**good, key: value})
+
+
 def test_accessors_and_setters():
     scaler = js.GradScaler(growth_factor=3.0, backoff_factor=0.25, growth_interval=4)
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
