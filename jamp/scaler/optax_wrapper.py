@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jamp.scaler._checks import concrete_float
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
     DynamicLossScale,
@@ -67,13 +68,15 @@ def as_loss_scale(loss_scale: Any) -> Any:
         return loss_scale.init()
     if isinstance(loss_scale, _LOSS_SCALE_TYPES):
         return loss_scale
-    if isinstance(loss_scale, (int, float, str)) and not isinstance(loss_scale, bool):
+    if isinstance(loss_scale, str):
         try:
             value = float(loss_scale)
         except ValueError:
             value = None
-        if value is not None:
-            return StaticLossScale(jnp.float32(value))
+    else:
+        value = concrete_float(loss_scale)  # a number or a concrete 0-d array; not a bool
+    if value is not None:
+        return StaticLossScale(jnp.float32(value))
     raise ValueError(
         f"loss_scale must be None, 'dynamic', a positive number, a GradScaler or one of "
         f"{[t.__name__ for t in _LOSS_SCALE_TYPES]}, got {loss_scale!r}.")

@@ -267,6 +267,8 @@ def test_loss_scale_spellings():
         assert float(ls.loss_scale) == 65536.0 and ls.growth_interval == 2000
     assert first(128.0) == js.StaticLossScale(jnp.float32(128.0))
     assert first("128.0") == js.StaticLossScale(jnp.float32(128.0))
+    assert first(np.float32(128.0)) == js.StaticLossScale(jnp.float32(128.0))
+    assert first(jnp.float32(128.0)) == js.StaticLossScale(jnp.float32(128.0))
     assert isinstance(first(js.NoOpLossScale()), js.NoOpLossScale)
     dyn = js.DynamicLossScale(jnp.float32(4.0))
     assert first(dyn) is dyn
