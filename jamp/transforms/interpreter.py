@@ -159,18 +159,13 @@ def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
     targets = rules.input_targets(name, region, current, traced,
                                   [_follows(a, read(a)) for a in eqn.invars])
     invals = [read_cast(a, t) for a, t in zip(eqn.invars, targets)]
-    params = eqn.params
-    first = next((i for i, f in enumerate(floating) if f), None)
-    if first is not None:
-        changes = rules.result_dtype_params(params, traced[first], dtype_of(invals[first]))
-        if changes:
-            params = dict(params, **changes)
-        result = dtype_of(invals[first])
-        if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
-            invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
-            outs = jx.bind(eqn, dict(params, **rules.result_dtype_params(
-                params, result, rules.FLOAT32)), invals)
-            return [cast(o, result) if _is_floating(o) else o for o in outs]
+    first = floating.index(True)
+    result = dtype_of(invals[first])
+    params = dict(eqn.params, **rules.result_dtype_params(eqn.params, traced[first], result))
+    if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
+        invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
+        params = dict(params, **rules.result_dtype_params(params, result, rules.FLOAT32))
+        return [cast(o, result) if _is_floating(o) else o for o in jx.bind(eqn, params, invals)]
     return jx.bind(eqn, params, invals)
 
 
