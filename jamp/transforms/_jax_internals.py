@@ -175,9 +175,15 @@ def remat_options(params: dict) -> dict:
     return dict(prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
 
 
+def _as_closed(jaxpr) -> ClosedJaxpr:
+    # jax 0.10 stores these bodies as open `Jaxpr`s; from 0.11 `ClosedJaxpr is Jaxpr` and a
+    # body may carry its consts already.
+    return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
+
+
 def remat_body(params: dict) -> ClosedJaxpr:
-    """The body of a remat equation as a closed jaxpr (it is stored open)."""
-    return ClosedJaxpr(params["jaxpr"], ())
+    """The body of a remat equation as a closed jaxpr."""
+    return _as_closed(params["jaxpr"])
 
 
 def shard_map_options(params: dict) -> dict:
@@ -195,8 +201,8 @@ def shard_map_options(params: dict) -> dict:
 
 
 def shard_map_body(params: dict) -> ClosedJaxpr:
-    """The body of a shard_map equation as a closed jaxpr (it is stored open)."""
-    return ClosedJaxpr(params["jaxpr"], ())
+    """The body of a shard_map equation as a closed jaxpr."""
+    return _as_closed(params["jaxpr"])
 
 
 def jaxprs_in_params(params: dict) -> bool:
