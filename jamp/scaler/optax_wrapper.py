@@ -136,7 +136,9 @@ def loss_scaled(
 
     def init(params):
         return LossScaledState(
-            loss_scale=initial,
+            # Fresh buffers on every call: a state donated to a jitted step must not take the
+            # arrays that the next `init` hands out with it.
+            loss_scale=jax.tree_util.tree_map(jnp.array, initial),
             inner_state=inner.init(params),
             total_steps=jnp.zeros([], jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),

@@ -352,3 +352,12 @@ def test_update_is_branch_free_with_one_finiteness_check_per_leaf():
     array_checks = [e for e in eqns if e.primitive.name in ("reduce_max", "is_finite", "abs")
                     and e.invars[0].aval.ndim > 0]
     assert sorted(e.primitive.name for e in array_checks) == ["abs"] * 3 + ["reduce_max"] * 3
+
+
+def test_init_after_a_donated_state_still_works():
+    tx = js.loss_scaled(optax.sgd(1.0), js.GradScaler(init_scale=8.0))
+    params = {"w": jnp.ones(2)}
+    step = jax.jit(lambda g, s: tx.update(g, s)[1], donate_argnums=(1,))
+    step({"w": jnp.ones(2)}, tx.init(params))  # deletes the donated state's buffers
+    state = tx.init(params)
+    assert float(js.get_loss_scale(state).loss_scale) == 8.0
