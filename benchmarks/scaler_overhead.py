@@ -10,7 +10,7 @@ time of each candidate over plain `optax.adam` without any scaling:
 
 `--donate` donates params and optimizer state to each jitted step (as many training loops do);
 on the CPU every candidate that makes the update depend on one global finite flag costs more
-then, jamp's included: see the figures it prints.
+then, jamp's included (donating the params alone does not show this; see docs/scaler.md).
 
 Run: python benchmarks/scaler_overhead.py [--quick] [--donate]
 """
