@@ -270,8 +270,11 @@ def test_loss_scale_spellings():
     assert first(np.float32(128.0)) == js.StaticLossScale(jnp.float32(128.0))
     assert first(jnp.float32(128.0)) == js.StaticLossScale(jnp.float32(128.0))
     assert isinstance(first(js.NoOpLossScale()), js.NoOpLossScale)
-    dyn = js.DynamicLossScale(jnp.float32(4.0))
-    assert first(dyn) is dyn
+    dyn = js.DynamicLossScale(jnp.float32(4.0), period=5)
+    got = first(dyn)
+    assert isinstance(got, js.DynamicLossScale) and got.period == 5
+    assert float(got.loss_scale) == 4.0 and int(got.counter) == 0
+    assert got.loss_scale is not dyn.loss_scale  # a copy: donating the state leaves dyn alive
 
 
 @pytest.mark.parametrize("bad,message", [
