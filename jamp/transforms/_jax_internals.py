@@ -89,6 +89,45 @@ def bind(eqn: JaxprEqn, params: dict, invals: Sequence[Any]) -> list[Any]:
     return list(out) if prim.multiple_results else [out]
 
 
+# -- primitive params (their names are not a public API and change between versions) ---------
+
+# Params that name an output dtype; when they equal the traced input dtype they only say "the
+# result type", so they follow the dtype autocast chose.
+_RESULT_DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
+
+# Sub-jaxpr params of the loop and branch primitives, whose bodies keep their interface.
+KEPT_BODY_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"),
+                    "cond": ("branches",)}
+
+
+def convert_target(eqn: JaxprEqn) -> tuple[Any, bool]:
+    """The (new_dtype, weak_type) of a `convert_element_type` equation."""
+    return eqn.params["new_dtype"], bool(eqn.params.get("weak_type", False))
+
+
+def with_result_dtype(params: dict, traced_in, new_in) -> dict:
+    """`params` with result-dtype params that only restated `traced_in` set to `new_in`."""
+    if traced_in is None or new_in is None or traced_in == new_in:
+        return params
+    changes = {key: new_in for key in _RESULT_DTYPE_PARAMS
+               if params.get(key) is not None and params[key] == traced_in}
+    return dict(params, **changes) if changes else params
+
+
+def call_body_key(params: dict) -> str:
+    """The param holding the body of a `jit` (`jaxpr`) or `closed_call` (`call_jaxpr`)."""
+    return "jaxpr" if "jaxpr" in params else "call_jaxpr"
+
+
+def custom_call_body(params: dict) -> ClosedJaxpr:
+    """The primal body of a custom_jvp_call / custom_vjp_call equation."""
+    return params["call_jaxpr"]
+
+
+def custom_call_num_consts(params: dict) -> int:
+    return params["num_consts"]
+
+
 def _wrap(fn: Callable, like) -> Any:
     """A `lu.WrappedFun` of `fn` with the debug info of `like` (custom_jvp/custom_vjp params
     must be WrappedFuns)."""

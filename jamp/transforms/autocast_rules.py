@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,10 +35,6 @@ PINNED = frozenset({
     "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
     "select_and_gather_add", "argsort",
 })
-
-# Params that name an output dtype; when they equal the traced input dtype they only mean
-# "the result type", so they follow the dtype autocast chose.
-RESULT_DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,16 +207,3 @@ def _promote(current, traced, follows, castable) -> list[np.dtype | None]:
         for i in members:
             targets[i] = target
     return targets
-
-
-def result_dtype_params(params: Mapping, traced_in: np.dtype | None,
-                        new_in: np.dtype | None) -> dict:
-    """Rewrites result-dtype params that only restated the traced input dtype."""
-    changes = {}
-    if traced_in is None or new_in is None or traced_in == new_in:
-        return changes
-    for key in RESULT_DTYPE_PARAMS:
-        value = params.get(key)
-        if value is not None and np.dtype(value) == traced_in:
-            changes[key] = new_in
-    return changes

@@ -141,8 +141,8 @@ def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
         # An explicit cast in the program is honoured as written; one to the dtype a value
         # already has is dropped.
         value = read(eqn.invars[0])
-        new_dtype = eqn.params["new_dtype"]
-        if dtype_of(value) == np.dtype(new_dtype) and not eqn.params.get("weak_type", False):
+        new_dtype, weak_type = jx.convert_target(eqn)
+        if dtype_of(value) == np.dtype(new_dtype) and not weak_type:
             return [value]
         return jx.bind(eqn, eqn.params, [value])
     if name == "optimization_barrier" and region.cast_inputs is not None:
@@ -161,10 +161,10 @@ def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
     invals = [read_cast(a, t) for a, t in zip(eqn.invars, targets)]
     first = floating.index(True)
     result = dtype_of(invals[first])
-    params = dict(eqn.params, **rules.result_dtype_params(eqn.params, traced[first], result))
+    params = jx.with_result_dtype(eqn.params, traced[first], result)
     if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
-        params = dict(params, **rules.result_dtype_params(params, result, rules.FLOAT32))
+        params = jx.with_result_dtype(params, result, rules.FLOAT32)
         return [cast(o, result) if _is_floating(o) else o for o in jx.bind(eqn, params, invals)]
     return jx.bind(eqn, params, invals)
 
@@ -213,7 +213,7 @@ def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.C
 # -- higher-order rules -----------------------------------------------------------------------
 
 def _jit_rule(eqn, invals, region, ctx):
-    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+    key = jx.call_body_key(eqn.params)
     new = specialized(eqn.params[key], region, ctx, invals)
     return jx.bind(eqn, dict(eqn.params, **{key: new}), invals)
 
@@ -232,28 +232,24 @@ def _shard_map_rule(eqn, invals, region, ctx):
     return list(fn(*invals))
 
 
-def _kept_rule(*jaxpr_params: str) -> Callable:
-    """A rule for primitives whose sub-jaxprs in `jaxpr_params` keep their interface."""
-
-    def rule(eqn, invals, region, ctx):
-        params = dict(eqn.params)
-        for key in jaxpr_params:
-            value = params[key]
-            if isinstance(value, (tuple, list)):
-                params[key] = type(value)(interface_kept(v, region, ctx) for v in value)
-            else:
-                params[key] = interface_kept(value, region, ctx)
-        return jx.bind(eqn, params, _to_traced(eqn, invals))
-
-    return rule
+def _kept_rule(eqn, invals, region, ctx):
+    """Loops and branches: their sub-jaxprs keep their interface."""
+    params = dict(eqn.params)
+    for key in jx.KEPT_BODY_PARAMS[eqn.primitive.name]:
+        value = params[key]
+        if isinstance(value, (tuple, list)):
+            params[key] = type(value)(interface_kept(v, region, ctx) for v in value)
+        else:
+            params[key] = interface_kept(value, region, ctx)
+    return jx.bind(eqn, params, _to_traced(eqn, invals))
 
 
 def _custom_jvp_rule(eqn, invals, region, ctx):
     # Specialized to the current dtypes, like jit: jax.nn.relu of a bfloat16 value stays
     # bfloat16. The user's jvp rule is traced for the same dtypes and its outputs are cast to
     # the primal body's, so primal and tangent types agree as JAX requires.
-    call = specialized(eqn.params["call_jaxpr"], region, ctx, invals)
-    primal_avals = [jx.typeof(v) for v in invals[eqn.params["num_consts"]:]]
+    call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals)
+    primal_avals = [jx.typeof(v) for v in invals[jx.custom_call_num_consts(eqn.params):]]
     out_avals = call.out_avals
 
     def transform(jvp_closed, zeros, out_zeros):
@@ -270,7 +266,7 @@ def _custom_jvp_rule(eqn, invals, region, ctx):
 
 
 def _custom_vjp_rule(eqn, invals, region, ctx):
-    call = interface_kept(eqn.params["call_jaxpr"], region, ctx)
+    call = interface_kept(jx.custom_call_body(eqn.params), region, ctx)
     bwd_region = region.off_as_is()
 
     def wrap_bwd(bwd: Callable) -> Callable:
@@ -315,9 +311,9 @@ HIGHER_ORDER_RULES: dict[str, Callable] = {
     "remat2": _remat_rule,
     "remat": _remat_rule,
     "shard_map": _shard_map_rule,
-    "scan": _kept_rule("jaxpr"),
-    "while": _kept_rule("cond_jaxpr", "body_jaxpr"),
-    "cond": _kept_rule("branches"),
+    "scan": _kept_rule,
+    "while": _kept_rule,
+    "cond": _kept_rule,
     "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _custom_vjp_rule,
 }
