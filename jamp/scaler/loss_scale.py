@@ -59,9 +59,13 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     if not leaves:
         finite = jnp.array(True)
     else:
-        # max(|x|) is inf or nan exactly when some element is (XLA's max propagates nan), and
-        # a float max-reduction vectorizes better on the CPU than an AND over isfinite.
-        finite = jnp.stack([jnp.isfinite(jnp.max(jnp.abs(x))) for x in leaves]).all()
+        # x - x is 0 for a finite element and nan for inf or nan, so the sum of x - x over a
+        # leaf is nan exactly when the leaf holds a non-finite value, and it can never overflow.
+        # An add-reduction keeps nan in every order of evaluation, where a max-reduction may not:
+        # XLA's CPU backend vectorizes max with instructions that drop nan (fast min/max).
+        # It is also the fastest exact check measured here (an AND over isfinite is slower).
+        per_leaf = jnp.stack([jnp.sum(x - x).astype(jnp.float32) for x in leaves])
+        finite = jnp.isfinite(jnp.sum(per_leaf))
     if axis_name is not None:
         finite = agree_across(finite, axis_name)
     # Materialize the flag once: left to itself XLA copies the fold of the per-leaf results

@@ -139,6 +139,36 @@ def test_all_finite(tree, expected, maybe_jit):
     assert bool(got) is expected
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 512), (3, 64, 32), (1000,), (33, 17)])
+def test_all_finite_sees_one_bad_element_anywhere(shape, dtype):
+    # Large leaves go through XLA's vectorized reductions, where a max-based check can drop a
+    # nan on the CPU; every position and every kind of bad value must be seen.
+    check = jax.jit(js.all_finite)
+    size = int(np.prod(shape))
+    positions = np.unique(np.concatenate([
+        [0, 1, size // 2, size - 2, size - 1],
+        np.random.default_rng(size).choice(size, 40, replace=False)]))
+    good = np.full(size, 0.5, np.float32)
+    assert bool(check({"w": jnp.asarray(good.reshape(shape), dtype)}))
+    missed = []
+    for bad in (np.nan, np.inf, -np.inf):
+        for i in positions:
+            x = good.copy()
+            x[i] = bad
+            if bool(check({"w": jnp.asarray(x.reshape(shape), dtype), "b": jnp.ones(3)})):
+                missed.append((bad, int(i)))
+    assert not missed, f"all_finite missed {len(missed)} bad elements, e.g. {missed[:5]}"
+
+
+def test_all_finite_of_huge_finite_values_is_true():
+    # The check never overflows: finite values at the top of each format stay finite.
+    tree = {"f16": jnp.full((4096,), np.finfo(np.float16).max, jnp.float16),
+            "bf16": jnp.full((4096,), -jnp.finfo(jnp.bfloat16).max, jnp.bfloat16),
+            "f32": jnp.full((4096,), np.finfo(np.float32).max)}
+    assert bool(jax.jit(js.all_finite)(tree))
+
+
 def test_all_finite_matches_jmp_on_float_trees():
     for tree in ({"a": jnp.ones(3)}, {"a": jnp.array([jnp.nan])}, [jnp.ones(2), jnp.inf]):
         assert bool(js.all_finite(tree)) == bool(jmp.all_finite(tree))

@@ -352,9 +352,13 @@ def test_update_is_branch_free_with_one_finiteness_check_per_leaf():
     names = [e.primitive.name for e in eqns]
     assert "cond" not in names and "while" not in names
     # One check per floating leaf, shared by the select and the scale adjustment.
-    array_checks = [e for e in eqns if e.primitive.name in ("reduce_max", "is_finite", "abs")
+    array_checks = [e for e in eqns if e.primitive.name in ("reduce_sum", "reduce_max", "sub",
+                                                            "is_finite", "abs")
                     and e.invars[0].aval.ndim > 0]
-    assert sorted(e.primitive.name for e in array_checks) == ["abs"] * 3 + ["reduce_max"] * 3
+    # Per leaf x: sum(x - x); then one sum folds the three per-leaf results.
+    assert sorted(e.primitive.name for e in array_checks) == ["reduce_sum"] * 4 + ["sub"] * 3
+    folded = [e for e in array_checks if e.invars[0].aval.shape == (3,)]
+    assert [e.primitive.name for e in folded] == ["reduce_sum"]
 
 
 def test_init_after_a_donated_state_still_works():
@@ -364,3 +368,17 @@ def test_init_after_a_donated_state_still_works():
     step({"w": jnp.ones(2)}, tx.init(params))  # deletes the donated state's buffers
     state = tx.init(params)
     assert float(js.get_loss_scale(state).loss_scale) == 8.0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_one_bad_element_in_a_large_leaf_skips_the_step(bad):
+    # One non-finite element among 65536 (what an fp16 overflow in one unit looks like).
+    params = {"w": jnp.zeros((128, 512)), "b": jnp.zeros(512)}
+    tx = js.loss_scaled(optax.adam(1e-3), js.GradScaler(init_scale=2.0**16))
+    state = tx.init(params)
+    grads = {"w": jnp.full((128, 512), 1.0).at[77, 301].set(bad), "b": jnp.ones(512)}
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    assert not bool(new_state.last_finite) and int(new_state.skipped_steps) == 1
+    tree_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, params))
+    tree_equal(new_state.inner_state, state.inner_state)
+    assert float(js.get_loss_scale(new_state).loss_scale) == 2.0**15
