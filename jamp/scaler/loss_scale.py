@@ -43,9 +43,9 @@ def map_floating(fn, tree: T) -> T:
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Whether every floating leaf of `tree` is free of inf and nan, as one scalar bool.
 
-    Integer, bool and non-array leaves are ignored; an empty tree is finite. The per-leaf
-    reductions fold into a single scalar on the device: no host round trip, no Python branch.
-    Under `jax.jit` with sharded leaves the result is one value for all devices.
+    Integer, bool and non-array leaves are ignored; an empty tree is finite. The check runs on
+    the device and folds into a single scalar: no host round trip, no Python branch. Under
+    `jax.jit` with sharded leaves the result is one value for all devices.
 
     Args:
       tree: any pytree, e.g. gradients.
@@ -55,22 +55,44 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     Returns:
       A bool array of shape ().
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_floating(x) and jnp.size(x)]
+    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)
+              if is_floating(x) and jnp.size(x)]
     if not leaves:
         finite = jnp.array(True)
     else:
-        # x - x is 0 for a finite element and nan for inf or nan, so the sum of x - x over a
-        # leaf is nan exactly when the leaf holds a non-finite value, and it can never overflow.
-        # An add-reduction keeps nan in every order of evaluation, where a max-reduction may not:
-        # XLA's CPU backend vectorizes max with instructions that drop nan (fast min/max).
-        # It is also the fastest exact check measured here (an AND over isfinite is slower).
-        per_leaf = jnp.stack([jnp.sum(x - x).astype(jnp.float32) for x in leaves])
-        finite = jnp.isfinite(jnp.sum(per_leaf))
+        # Fold the per-leaf flags with an AND-reduction, which XLA computes once. (A sum of
+        # per-leaf sums was rewritten into a chain of adds that XLA copied into every fusion
+        # reading the flag, with one operand per leaf.)
+        finite = jnp.stack(_finite_per_leaf(leaves)).all()
     if axis_name is not None:
         finite = agree_across(finite, axis_name)
-    # Materialize the flag once: left to itself XLA copies the fold of the per-leaf results
-    # into every fusion that reads the flag (each select of the step), one copy per leaf.
-    return lax.optimization_barrier(finite)
+    return finite
+
+
+def _finite_per_leaf(leaves: list[jax.Array]) -> list[jax.Array]:
+    """For each leaf, whether the sum of `x - x` over it is finite.
+
+    `x - x` is 0 for a finite element and nan for inf or nan, so the sum is nan exactly when
+    the leaf holds a non-finite value, and it never overflows. An add-reduction keeps nan in
+    any order of evaluation, where a max-reduction may not (XLA's CPU backend vectorizes max
+    with instructions that drop nan).
+
+    Leaves of one shape and dtype share one variadic `lax.reduce`, which XLA emits as a
+    single fused loop per group (layout changes included) instead of two or three kernels
+    per leaf: on a transformer's 69 grad leaves, 11 loops instead of about 170 kernels.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault((x.shape, x.dtype), []).append(i)
+    flags: list[Any] = [None] * len(leaves)
+    for (shape, dtype), members in groups.items():
+        zeros = tuple(leaves[i] - leaves[i] for i in members)
+        sums = lax.reduce(zeros, (jnp.zeros((), dtype),) * len(zeros),
+                          lambda a, b: tuple(x + y for x, y in zip(a, b)),
+                          tuple(range(len(shape))))
+        for i, total in zip(members, sums):
+            flags[i] = jnp.isfinite(total)
+    return flags
 
 
 def agree_across(finite: jax.Array, axis_name: Any) -> jax.Array:

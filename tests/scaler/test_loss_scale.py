@@ -161,6 +161,24 @@ def test_all_finite_sees_one_bad_element_anywhere(shape, dtype):
     assert not missed, f"all_finite missed {len(missed)} bad elements, e.g. {missed[:5]}"
 
 
+def test_all_finite_over_leaves_that_share_a_shape():
+    # Same-shaped leaves are checked in one reduction; a bad value in any one of them, or in
+    # a same-shaped leaf of another dtype, a scalar or a Python float, must still be seen.
+    good = {"same": [jnp.full((64, 48), 0.5) for _ in range(5)],
+            "half": jnp.full((64, 48), 0.5, jnp.float16),
+            "scalar": jnp.float32(2.0), "python": 3.0, "step": jnp.int32(7)}
+    check = jax.jit(js.all_finite)
+    assert bool(check(good))
+    for k in range(5):
+        for bad in (np.nan, np.inf, -np.inf):
+            tree = {**good, "same": list(good["same"])}
+            tree["same"][k] = tree["same"][k].at[k, 3 * k].set(bad)
+            assert not bool(check(tree)), (k, bad)
+    assert not bool(check({**good, "half": good["half"].at[63, 47].set(jnp.inf)}))
+    assert not bool(check({**good, "scalar": jnp.float32(np.nan)}))
+    assert not bool(js.all_finite({**good, "python": float("inf")}))
+
+
 def test_all_finite_of_huge_finite_values_is_true():
     # The check never overflows: finite values at the top of each format stay finite.
     tree = {"f16": jnp.full((4096,), np.finfo(np.float16).max, jnp.float16),

@@ -336,7 +336,9 @@ def test_report_is_off_by_default(capfd):
 
 
 def test_update_is_branch_free_with_one_finiteness_check_per_leaf():
-    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2), "h": jnp.ones(4, jnp.float16)}
+    # Two leaves share a shape and dtype ("b", "v"), so they share one reduction.
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2), "v": jnp.ones(2),
+              "h": jnp.ones(4, jnp.float16)}
     tx = js.loss_scaled(optax.adam(1e-3), js.GradScaler())
     jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
 
@@ -351,14 +353,17 @@ def test_update_is_branch_free_with_one_finiteness_check_per_leaf():
     eqns = list(equations(jaxpr.jaxpr))
     names = [e.primitive.name for e in eqns]
     assert "cond" not in names and "while" not in names
-    # One check per floating leaf, shared by the select and the scale adjustment.
-    array_checks = [e for e in eqns if e.primitive.name in ("reduce_sum", "reduce_max", "sub",
-                                                            "is_finite", "abs")
-                    and e.invars[0].aval.ndim > 0]
-    # Per leaf x: sum(x - x); then one sum folds the three per-leaf results.
-    assert sorted(e.primitive.name for e in array_checks) == ["reduce_sum"] * 4 + ["sub"] * 3
-    folded = [e for e in array_checks if e.invars[0].aval.shape == (3,)]
-    assert [e.primitive.name for e in folded] == ["reduce_sum"]
+    # One x - x per floating leaf, one variadic reduction per (shape, dtype) group, one fold;
+    # the select and the scale adjustment share them.
+    subs = sorted(tuple(e.invars[0].aval.shape) for e in eqns
+                  if e.primitive.name == "sub" and e.invars[0].aval.ndim > 0)
+    assert subs == [(2,), (2,), (3, 2), (4,)]
+    reductions = sorted(len(e.invars) // 2 for e in eqns if e.primitive.name == "reduce")
+    assert reductions == [1, 1, 2]  # operands per reduction: (3, 2); (4,) float16; (2,) x 2
+    assert [e.primitive.name for e in eqns if e.primitive.name.startswith("reduce_")
+            ] == ["reduce_and"]
+    assert not [e for e in eqns if e.primitive.name in ("reduce_max", "abs", "is_finite")
+                and e.invars[0].aval.ndim > 0]
 
 
 def test_init_after_a_donated_state_still_works():
