@@ -1,11 +1,14 @@
 """Shared pieces of the benchmarks: a Flax transformer block stack and a side-by-side timer.
 
-Every benchmark measures its candidates in one process, interleaved round by round, so that
-a slow moment of the machine hits all of them alike; the reported figure is the median.
+Every benchmark measures its candidates in one process, interleaved round by round in a shuffled
+order, and reports each candidate's ratio over the baseline as the median of its per-round ratios:
+a slow moment of a shared machine then hits both sides of a ratio alike.
 """
 
 from __future__ import annotations
 
+import random
+import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -69,35 +72,65 @@ def block_until_ready(tree):
 
 def time_side_by_side(
     candidates: dict[str, Callable[[], Any]], rounds: int = 7, steps: int = 10,
-    warmup: int = 2,
-) -> dict[str, float]:
-    """Median seconds per call of each zero-argument callable, measured interleaved.
+    warmup: int = 2, seed: int = 0,
+) -> dict[str, list[float]]:
+    """Seconds per call of each zero-argument callable, one sample per round, measured interleaved.
 
-    Each callable runs `warmup` times first (compilation), then in each of `rounds`
-    rounds every candidate runs `steps` times back to back.
+    Each callable runs `warmup` times first (compilation). Then in each of `rounds` rounds every
+    candidate runs `steps` times back to back, the candidates in a fresh random order each round
+    so that none always follows the same neighbour. Returns the per-round samples, in round
+    order, so that candidates can be compared round by round (`paired_ratios`).
     """
     for fn in candidates.values():
         for _ in range(warmup):
             block_until_ready(fn())
+    order = random.Random(seed)
+    names = list(candidates)
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(rounds):
-        for name, fn in candidates.items():
+        order.shuffle(names)
+        for name in names:
+            fn = candidates[name]
             start = time.perf_counter()
             for _ in range(steps):
                 out = fn()
             block_until_ready(out)
             samples[name].append((time.perf_counter() - start) / steps)
-    return {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+    return samples
 
 
-def print_ratios(title: str, times: dict[str, float], baseline: str,
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def paired_ratios(samples: dict[str, list[float]], baseline: str) -> dict[str, list[float]]:
+    """Each candidate's time over the baseline's, round by round.
+
+    A slow moment of a shared machine lasts longer than one round, so it hits both sides of a
+    round's ratio alike: the median of these ratios is steadier than the ratio of medians.
+    """
+    base = samples[baseline]
+    return {name: [t / b for t, b in zip(s, base)] for name, s in samples.items()}
+
+
+def print_ratios(title: str, samples: dict[str, list[float]], baseline: str,
                  targets: dict[str, float] | None = None, names: Sequence[str] | None = None):
-    """Prints each candidate's time and its ratio over `baseline`, with its target if any."""
+    """Prints each candidate's median time and its median paired ratio over `baseline`.
+
+    The ratio's quartiles over the rounds follow in brackets; a target is judged on the median.
+    """
     targets = targets or {}
+    ratios = paired_ratios(samples, baseline)
     print(title)
-    base = times[baseline]
-    for name in names or times:
-        ratio = times[name] / base
-        target = f"  (target <= {targets[name]:.2f}: {'met' if ratio <= targets[name] else 'MISSED'})" \
-            if name in targets else ""
-        print(f"  {name:40s} {times[name] * 1e3:9.3f} ms   x{ratio:.3f}{target}")
+    for name in names or samples:
+        r = ratios[name]
+        mid = median(r)
+        spread = ""
+        if len(r) >= 4 and name != baseline:
+            q1, _, q3 = statistics.quantiles(r, n=4)
+            spread = f" [{q1:.3f}, {q3:.3f}]"
+        target = ""
+        if name in targets:
+            verdict = "met" if mid <= targets[name] else "MISSED"
+            target = f"  (target <= {targets[name]:.2f}: {verdict})"
+        print(f"  {name:40s} {median(samples[name]) * 1e3:9.3f} ms   x{mid:.3f}{spread}{target}")

@@ -1,7 +1,8 @@
 """What loss scaling costs per training step, on a Flax transformer block stack.
 
-Prints, measured side by side in one process (interleaved rounds, median), the jitted train step
-time of each candidate over plain `optax.adam` without any scaling:
+Prints, measured side by side in one process (shuffled interleaved rounds; the median of the
+per-round ratios, with their quartiles), the jitted train step time of each candidate over plain
+`optax.adam` without any scaling:
   * `jamp.loss_scaled(adam)`: scale the loss, unscale, check, skip or step, adjust
     (target <= 1.03 on the CPU);
   * `optax.apply_if_finite(adam)`: the finiteness guard alone, no scaling;
@@ -83,8 +84,8 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--donate", action="store_true",
                         help="donate params and optimizer state to the jitted steps")
     args = parser.parse_args()
@@ -115,7 +116,7 @@ def main():
           f"{args.width}, depth {args.depth}, batch {args.batch}x{args.seq}"
           f"{', buffers donated' if args.donate else ''}")
     times = time_side_by_side(candidates, rounds=args.rounds, steps=args.steps)
-    print_ratios("Train step time over plain adam (median of interleaved rounds):", times,
+    print_ratios(f"Train step time over plain adam (median of {args.rounds} paired rounds, quartiles):", times,
                  baseline="optax.adam (no scaling)",
                  targets={"jamp.loss_scaled(adam)": 1.03})
 
