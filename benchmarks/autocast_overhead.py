@@ -73,7 +73,7 @@ def grad_step_times(args, peers):
 
 
 def compile_times(args, peers):
-    """Seconds to trace, lower and compile the grad of a 12-block transformer, one sample per round."""
+    """Seconds to trace, lower and compile the grad of a 12-block transformer, per round."""
     depth = 12
     f32_model = TransformerStack(width=args.width, depth=depth, num_heads=4)
     bf16_model = TransformerStack(width=args.width, depth=depth, num_heads=4, dtype=jnp.bfloat16)
@@ -121,10 +121,12 @@ def main():
     base = "hand-written bfloat16 (flax dtype=)"
     mine = "jamp.autocast(f32 model, bfloat16)"
     steps = grad_step_times(args, peers)
-    print_ratios(f"\njitted grad step, {args.depth} blocks (median of {args.rounds} paired rounds):",
+    print_ratios(f"\njitted grad step, {args.depth} blocks "
+                 f"(median of {args.rounds} paired rounds):",
                  steps, base, targets={mine: 1.05})
     compiles = compile_times(args, peers)
-    print_ratios(f"\ntrace + compile of the grad, 12 blocks (median of {args.compile_rounds} paired rounds):",
+    print_ratios(f"\ntrace + compile of the grad, 12 blocks "
+                 f"(median of {args.compile_rounds} paired rounds):",
                  compiles, base, targets={mine: 1.3})
 
 

@@ -116,7 +116,8 @@ def main():
           f"{args.width}, depth {args.depth}, batch {args.batch}x{args.seq}"
           f"{', buffers donated' if args.donate else ''}")
     times = time_side_by_side(candidates, rounds=args.rounds, steps=args.steps)
-    print_ratios(f"Train step time over plain adam (median of {args.rounds} paired rounds, quartiles):", times,
+    print_ratios(f"Train step time over plain adam (median of {args.rounds} paired rounds, "
+                 f"quartiles):", times,
                  baseline="optax.adam (no scaling)",
                  targets={"jamp.loss_scaled(adam)": 1.03})
 
