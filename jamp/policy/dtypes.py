@@ -48,7 +48,7 @@ def parse_dtype(name: str) -> np.dtype:
     if isinstance(key, str):
         for sep in ("_", ":", "-", " "):
             head, _, tail = key.partition(sep)
-            if tail and head in _POLICY_KEY_SPELLINGS:
+            if tail and head in POLICY_KEYS:
                 hint = f" Did you mean '{head}={tail}'?"
                 break
     raise ValueError(
@@ -58,7 +58,10 @@ def parse_dtype(name: str) -> np.dtype:
 
 
 # Known here only to suggest the fix for near-misses such as "compute_float16".
-_POLICY_KEY_SPELLINGS = ("p", "params", "c", "compute", "o", "output")
+# The keys of a policy string (`get_policy`) and the Policy field each names. Kept here so
+# that a dtype name written like a key ("compute=float16" passed as a dtype) gets a hint.
+POLICY_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
+               "o": "output", "output": "output"}
 
 
 def canonical_floating_dtype(dtype, what: str = "dtype") -> np.dtype:

@@ -11,13 +11,9 @@ from typing import TypeVar
 import numpy as np
 
 from jamp.policy.cast import cast_floating
-from jamp.policy.dtypes import canonical_floating_dtype, parse_dtype, short_name
+from jamp.policy.dtypes import POLICY_KEYS, canonical_floating_dtype, parse_dtype, short_name
 
 T = TypeVar("T")
-
-_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -90,12 +86,12 @@ def get_policy(policy_name: str | Policy) -> Policy:
     for part in policy_name.split(","):
         key, sep, value = part.partition("=")
         key = key.strip().lower()
-        if not sep or key not in _KEYS:
+        if not sep or key not in POLICY_KEYS:
             raise ValueError(
                 f"Unknown key {key!r} in policy {policy_name!r}: expected "
                 "'params' (or 'p'), 'compute' (or 'c') or 'output' (or 'o'), "
                 "as in 'params=float32,compute=bfloat16,output=float32'.")
-        field = _KEYS[key]
+        field = POLICY_KEYS[key]
         if field in chosen:
             raise ValueError(f"{field} is given twice in policy {policy_name!r}.")
         chosen[field] = parse_dtype(value)
