@@ -179,6 +179,13 @@ def test_all_finite_over_leaves_that_share_a_shape():
     assert not bool(js.all_finite({**good, "python": float("inf")}))
 
 
+def test_all_finite_under_vmap_is_per_example():
+    x = jnp.ones((4, 3, 5))
+    tree = {"a": x, "b": x.at[2, 1, 1].set(jnp.nan), "c": x.astype(jnp.float16)}
+    got = jax.jit(jax.vmap(js.all_finite))(tree)
+    np.testing.assert_array_equal(np.asarray(got), [True, True, False, True])
+
+
 def test_all_finite_of_huge_finite_values_is_true():
     # The check never overflows: finite values at the top of each format stay finite.
     tree = {"f16": jnp.full((4096,), np.finfo(np.float16).max, jnp.float16),
