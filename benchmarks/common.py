@@ -7,6 +7,7 @@ a slow moment of a shared machine then hits both sides of a ratio alike.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -103,6 +104,22 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
+def median_interval(xs: Sequence[float], z: float = 1.96) -> tuple[float, float] | None:
+    """A distribution-free 95% confidence interval of the median of `xs` (None for few samples).
+
+    The bounds are order statistics: with n samples the median lies between the ones of rank
+    n/2 -/+ z*sqrt(n)/2 with about 95% probability, whatever the noise's distribution (a
+    binomial count of samples below the median, in its normal approximation).
+    """
+    n = len(xs)
+    half_width = z * math.sqrt(n) / 2
+    lo, hi = math.floor(n / 2 - half_width), math.ceil(n / 2 + half_width)
+    if n < 8 or lo < 1 or hi > n:
+        return None
+    ordered = sorted(xs)
+    return ordered[lo - 1], ordered[hi - 1]
+
+
 def paired_ratios(samples: dict[str, list[float]], baseline: str) -> dict[str, list[float]]:
     """Each candidate's time over the baseline's, round by round.
 
@@ -113,11 +130,29 @@ def paired_ratios(samples: dict[str, list[float]], baseline: str) -> dict[str, l
     return {name: [t / b for t, b in zip(s, base)] for name, s in samples.items()}
 
 
+def verdict(ratios: Sequence[float], target: float) -> str:
+    """'met' when the whole 95% interval of the median ratio is at or under `target`.
+
+    A median under the target whose interval still reaches over it says so, since another run
+    on the same machine could land on either side.
+    """
+    interval = median_interval(ratios)
+    if interval is not None and interval[1] <= target:
+        return "met"
+    if median(ratios) <= target:
+        if interval is None:
+            return "met by the median of too few rounds for an interval"
+        return "met by the median only; its 95% interval reaches over the target"
+    return "MISSED"
+
+
 def print_ratios(title: str, samples: dict[str, list[float]], baseline: str,
                  targets: dict[str, float] | None = None, names: Sequence[str] | None = None):
     """Prints each candidate's median time and its median paired ratio over `baseline`.
 
-    The ratio's quartiles over the rounds follow in brackets; a target is judged on the median.
+    Then, in brackets, the ratio's quartiles over the rounds (how noisy one round is) and the
+    95% confidence interval of the median ratio (how sure the printed median is); a target is
+    judged by `verdict`.
     """
     targets = targets or {}
     ratios = paired_ratios(samples, baseline)
@@ -128,9 +163,11 @@ def print_ratios(title: str, samples: dict[str, list[float]], baseline: str,
         spread = ""
         if len(r) >= 4 and name != baseline:
             q1, _, q3 = statistics.quantiles(r, n=4)
-            spread = f" [{q1:.3f}, {q3:.3f}]"
+            spread = f"  quartiles [{q1:.3f}, {q3:.3f}]"
+            interval = median_interval(r)
+            if interval is not None:
+                spread += f"  95% CI [{interval[0]:.3f}, {interval[1]:.3f}]"
         target = ""
         if name in targets:
-            verdict = "met" if mid <= targets[name] else "MISSED"
-            target = f"  (target <= {targets[name]:.2f}: {verdict})"
+            target = f"  (target <= {targets[name]:.2f}: {verdict(r, targets[name])})"
         print(f"  {name:40s} {median(samples[name]) * 1e3:9.3f} ms   x{mid:.3f}{spread}{target}")
