@@ -9,8 +9,10 @@ inner optimizer's state. One `update`:
    otherwise the updates are zeros and the inner state is the one from before, bit for bit,
 4. adjusts the scale (grow after a run of finite steps, back off after a bad one).
 
-Step 3 is a pair of `jnp.where`/`lax.select` selects, not a branch: XLA fuses them into the
-inner update, which is where the speed comes from.
+Step 3 is, by default, a pair of `jnp.where`/`lax.select` selects, not a branch: XLA fuses them
+into the inner update, which is where the speed comes from. With `skip="cond"` it is a
+`lax.cond` around the inner update instead, which lets XLA update donated buffers in place (see
+`loss_scaled`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from jamp.scaler.loss_scale import (
 )
 
 _LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale, GradScalerState)
+_SKIP_MODES = ("select", "cond")
 
 
 class LossScaledState(NamedTuple):
@@ -89,6 +92,7 @@ def loss_scaled(
     num_losses: int = 1,
     axis_name: Any = None,
     report: bool = False,
+    skip: str = "select",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so that it takes scaled grads and skips steps whose grads are not finite.
 
@@ -113,13 +117,25 @@ def loss_scaled(
         sharded arrays, where the check is global already.
       report: print Apex's "Gradient overflow.  Skipping step, ..." line from the device
         (`jax.debug.print`) on each skipped step.
+      skip: how a non-finite step is dropped; either way it leaves the inner state exactly as
+        it was and returns zero updates. "select" (the default) runs the inner update on every step and keeps or drops its
+        results with `jnp.where` selects, which XLA fuses into the update's own loops: no
+        branch, the fastest when the optimizer state is not donated. When the state is donated
+        to the jitted step (`donate_argnums`, as with a donated Flax `TrainState`), XLA then
+        copies the old state every step, because the params update still reads it after the
+        selects overwrite it in place. "cond" runs the inner update inside a `lax.cond` taken
+        only on finite steps: no copies with donated buffers (the state is updated in place as
+        without the wrapper), and a skipped step does no optimizer work. Under `jax.vmap` with
+        a batched flag, JAX turns the cond back into selects.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
 
     Raises:
-      ValueError: a bad `loss_scale` or `num_losses`.
+      ValueError: a bad `loss_scale`, `num_losses` or `skip`.
     """
+    if skip not in _SKIP_MODES:
+        raise ValueError(f"skip must be one of {list(_SKIP_MODES)}, got {skip!r}.")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses must be an integer >= 1, got {num_losses!r}.")
     if num_losses == 1:
@@ -162,10 +178,16 @@ def loss_scaled(
         for f in finites[1:]:
             finite = finite & f
 
-        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-        new_updates = jax.tree_util.tree_map(
-            lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-        new_inner = select_tree(finite, new_inner, state.inner_state)
+        def inner_update(grads, inner_state):
+            return inner.update(grads, inner_state, params, **extra_args)
+
+        if skip == "select":
+            new_updates, new_inner = inner_update(grads, state.inner_state)
+            new_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+            new_inner = select_tree(finite, new_inner, state.inner_state)
+        else:
+            new_updates, new_inner = _update_if(finite, inner_update, grads, state.inner_state)
         new_scales = tuple(ls.adjust(f) for ls, f in zip(scales, finites))
         if report:
             for loss_id, (ls, f) in enumerate(zip(new_scales, finites)):
@@ -179,6 +201,30 @@ def loss_scaled(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _update_if(finite, inner_update, grads, inner_state):
+    """`inner_update(grads, inner_state)` when `finite`, else zero updates and `inner_state`."""
+    # The skipped branch must return the taken branch's types: the updates may differ from the
+    # grads in dtype (an inner transformation that casts), and under shard_map the new state
+    # may vary over more mesh axes than the old one. `zeros_like` of the traced types carries
+    # both.
+    update_types, state_types = jax.eval_shape(inner_update, grads, inner_state)
+
+    def skipped(grads, inner_state):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, update_types)
+        return zeros, jax.tree_util.tree_map(_as_type_of, inner_state, state_types)
+
+    return lax.cond(finite, inner_update, skipped, grads, inner_state)
+
+
+def _as_type_of(x, like):
+    """`x`, unchanged in value, with the mesh axes it varies over widened to those of `like`."""
+    zero = jnp.zeros_like(like)
+    if jax.typeof(zero) == jax.typeof(x) or not hasattr(x, "dtype"):
+        return x
+    # x - 0 keeps every value bit for bit (-0.0 included, which x + 0 would turn into +0.0).
+    return x | zero if x.dtype == jnp.bool_ else x - zero
 
 
 def _report_overflow(finite: jax.Array, loss_id: int, new_scale: Any) -> None:

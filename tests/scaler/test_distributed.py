@@ -34,10 +34,11 @@ def grads_with_inf_on(device_index):
     return {"w": jnp.asarray(g)}
 
 
+@pytest.mark.parametrize("skip", ["select", "cond"])
 @pytest.mark.parametrize("bad_device", [None, 0, 5, 7])
-def test_sharded_grads_under_jit_make_one_decision(mesh, bad_device):
+def test_sharded_grads_under_jit_make_one_decision(mesh, bad_device, skip):
     sharding = NamedSharding(mesh, P("d"))
-    tx = js.loss_scaled(optax.adam(1e-2), js.GradScaler(init_scale=4.0))
+    tx = js.loss_scaled(optax.adam(1e-2), js.GradScaler(init_scale=4.0), skip=skip)
     params = jax.device_put({"w": jnp.ones((N, 4))}, sharding)
     state = jax.jit(tx.init)(params)
     grads = jax.device_put(grads_with_inf_on(bad_device), sharding)
@@ -60,9 +61,11 @@ def per_replica_step(tx, axis_name):
     return step
 
 
+@pytest.mark.parametrize("skip", ["select", "cond"])
 @pytest.mark.parametrize("bad_device", [None, 3])
-def test_shard_map_with_axis_name_all_replicas_agree(mesh, bad_device):
-    tx = js.loss_scaled(optax.sgd(1.0), js.GradScaler(init_scale=4.0), axis_name="d")
+def test_shard_map_with_axis_name_all_replicas_agree(mesh, bad_device, skip):
+    tx = js.loss_scaled(optax.sgd(1.0), js.GradScaler(init_scale=4.0), axis_name="d",
+                        skip=skip)
     step = shard_map(per_replica_step(tx, "d"), mesh=mesh, in_specs=(P("d"), P("d")),
                      out_specs=(P("d"), P("d"), P("d")))
     grads = grads_with_inf_on(bad_device)
@@ -124,3 +127,31 @@ def test_all_finite_axis_name_under_pmap():
     assert np.asarray(f(g)).all()
     g[4, 0] = np.nan
     assert not np.asarray(f(g)).any()
+
+
+@pytest.mark.parametrize("bad_device", [None, 2])
+def test_cond_skip_under_shard_map_with_a_replicated_state(mesh, bad_device):
+    # The state comes in replicated and leaves varying (its moments follow each replica's
+    # grads), so the skipped branch of the cond must widen the old state's type to match.
+    results = {}
+    for skip in ("select", "cond"):
+        tx = js.loss_scaled(optax.adam(0.5), js.GradScaler(init_scale=4.0), axis_name="d",
+                            skip=skip)
+        params = {"w": jnp.ones(4)}
+        state = tx.init(params)
+
+        def step(grads, params, state):
+            updates, state = tx.update({"w": grads["w"][0]}, state, params)
+            mu = state.inner_state[0].mu["w"]
+            return updates["w"][None], mu[None], state.last_finite[None]
+
+        step = shard_map(step, mesh=mesh, in_specs=(P("d"), P(), P()),
+                         out_specs=(P("d"), P("d"), P("d")))
+        results[skip] = jax.jit(step)(grads_with_inf_on(bad_device), params, state)
+    for got, want in zip(results["cond"], results["select"]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    updates, mu, finite = results["cond"]
+    assert (np.asarray(finite) == (bad_device is None)).all()
+    # The grads arrive scaled by 4: mu = (1 - b1) * 1 / 4 on a finite step.
+    assert (np.asarray(mu) == (0.0 if bad_device is not None else 0.025)).all()
+    assert (np.asarray(updates) != 0).all() == (bad_device is None)
