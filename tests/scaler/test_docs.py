@@ -37,7 +37,7 @@ def block_with(text):
 
 
 def test_every_block_is_exercised():
-    assert len(BLOCKS) == 7
+    assert len(BLOCKS) == 8
 
 
 def test_jmp_block():
@@ -76,6 +76,24 @@ def test_wrapper_blocks(text, calls):
     for _ in range(calls):
         params, opt_state = step(params, opt_state, ns["batch"])
     assert not np.array_equal(params["w"], ns["params"]["w"])
+
+
+def test_donated_cond_block():
+    # The block re-jits the wrapper section's train_step with donation and skip="cond".
+    ns = namespace()
+    exec(block_with("optax.clip_by_global_norm(1.0), optax.adamw(1e-3)"), ns)
+    exec(block_with('skip="cond"'), ns)
+    params = jax.tree_util.tree_map(jnp.array, ns["params"])
+    opt_state = ns["tx"].init(params)
+    new_params, new_state = ns["train_step"](params, opt_state, ns["batch"])
+    assert params["w"].is_deleted()  # donated
+    assert int(new_state.skipped_steps) == 0
+    kept = np.asarray(new_params["w"])
+    moments = np.asarray(new_state.inner_state[0].mu["w"])
+    newer_params, newer_state = ns["train_step"](new_params, new_state, ns["batch"] * np.inf)
+    np.testing.assert_array_equal(newer_params["w"], kept)
+    np.testing.assert_array_equal(newer_state.inner_state[0].mu["w"], moments)
+    assert int(newer_state.skipped_steps) == 1
 
 
 def test_one_call_block():
