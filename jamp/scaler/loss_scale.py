@@ -60,9 +60,9 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     if not leaves:
         finite = jnp.array(True)
     else:
-        # Fold the per-leaf flags with an AND-reduction, which XLA computes once. (A sum of
-        # per-leaf sums was rewritten into a chain of adds that XLA copied into every fusion
-        # reading the flag, with one operand per leaf.)
+        # XLA rewrites this AND-reduction into a chain of scalar ANDs and copies the chain into
+        # every fusion that reads the flag. That is scalar work outside the loops' per-element
+        # code: forcing one shared flag (through a sort, which XLA cannot fuse) measured the same.
         finite = jnp.stack(_finite_per_leaf(leaves)).all()
     if axis_name is not None:
         finite = agree_across(finite, axis_name)
