@@ -1,8 +1,8 @@
 """What loss scaling costs per training step, on a Flax transformer block stack.
 
 Prints, measured side by side in one process (shuffled interleaved rounds; the median of the
-per-round ratios, with their quartiles and the median's 95% interval), the jitted train step time of each candidate over plain
-`optax.adam` without any scaling:
+per-round ratios, with their quartiles and the median's 95% interval), the jitted train step
+time of each candidate over plain `optax.adam` without any scaling:
   * `jamp.loss_scaled(adam)`: scale the loss, unscale, check, skip or step, adjust
     (target <= 1.03 on the CPU);
   * `jamp.loss_scaled(adam, skip="cond")`: the same, with the inner update under a `lax.cond`

@@ -118,9 +118,9 @@ def loss_scaled(
       report: print Apex's "Gradient overflow.  Skipping step, ..." line from the device
         (`jax.debug.print`) on each skipped step.
       skip: how a non-finite step is dropped; either way it leaves the inner state exactly as
-        it was and returns zero updates. "select" (the default) runs the inner update on every step and keeps or drops its
-        results with `jnp.where` selects, which XLA fuses into the update's own loops: no
-        branch, the fastest when the optimizer state is not donated. When the state is donated
+        it was and returns zero updates. "select" (the default) runs the inner update on every
+        step and keeps or drops its results with `jnp.where` selects, which XLA fuses into the
+        update's own loops: no branch, the fastest when the optimizer state is not donated. When the state is donated
         to the jitted step (`donate_argnums`, as with a donated Flax `TrainState`), XLA then
         copies the old state every step, because the params update still reads it after the
         selects overwrite it in place. "cond" runs the inner update inside a `lax.cond` taken
@@ -208,7 +208,7 @@ def _update_if(finite, inner_update, grads, inner_state):
     # The skipped branch must return the taken branch's types: the updates may differ from the
     # grads in dtype (an inner transformation that casts), and under shard_map the new state
     # may vary over more mesh axes than the old one. `zeros_like` of the traced types carries
-    # both.
+    # both. (Reading them costs one more trace of the inner update, none at run time.)
     update_types, state_types = jax.eval_shape(inner_update, grads, inner_state)
 
     def skipped(grads, inner_state):
@@ -221,7 +221,7 @@ def _update_if(finite, inner_update, grads, inner_state):
 def _as_type_of(x, like):
     """`x`, unchanged in value, with the mesh axes it varies over widened to those of `like`."""
     zero = jnp.zeros_like(like)
-    if jax.typeof(zero) == jax.typeof(x) or not hasattr(x, "dtype"):
+    if jax.typeof(zero) == jax.typeof(x):
         return x
     # x - 0 keeps every value bit for bit (-0.0 included, which x + 0 would turn into +0.0).
     return x | zero if x.dtype == jnp.bool_ else x - zero

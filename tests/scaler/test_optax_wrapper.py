@@ -55,7 +55,7 @@ LOSS_SCALES = [
 
 @pytest.fixture(params=["select", "cond"])
 def skip(request):
-    """Each way `loss_scaled` can drop a bad step; they must agree bit for bit."""
+    """Each way `loss_scaled` can drop a bad step; each must pass the test on its own."""
     return request.param
 
 
