@@ -120,13 +120,13 @@ def loss_scaled(
       skip: how a non-finite step is dropped; either way it leaves the inner state exactly as
         it was and returns zero updates. "select" (the default) runs the inner update on every
         step and keeps or drops its results with `jnp.where` selects, which XLA fuses into the
-        update's own loops: no branch, the fastest when the optimizer state is not donated. When the state is donated
-        to the jitted step (`donate_argnums`, as with a donated Flax `TrainState`), XLA then
-        copies the old state every step, because the params update still reads it after the
-        selects overwrite it in place. "cond" runs the inner update inside a `lax.cond` taken
-        only on finite steps: no copies with donated buffers (the state is updated in place as
-        without the wrapper), and a skipped step does no optimizer work. Under `jax.vmap` with
-        a batched flag, JAX turns the cond back into selects.
+        update's own loops: no branch, the fastest when the optimizer state is not donated.
+        When the state is donated to the jitted step (`donate_argnums`, as with a donated Flax
+        `TrainState`), XLA then copies the old state every step, because the params update
+        still reads it after the selects overwrite it in place. "cond" runs the inner update
+        inside a `lax.cond` taken only on finite steps: no copies with donated buffers (the
+        state is updated in place as without the wrapper), and a skipped step does no optimizer
+        work. Under `jax.vmap` with a batched flag, JAX turns the cond back into selects.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
