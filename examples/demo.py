@@ -147,7 +147,7 @@ def main():
               f"{r['skipped']:4d}/{r['total']:<3d} {r['step_ms']:8.1f}")
     print("\nLosses are nats per byte (ln 256 = 5.55 for a uniform guess). A skipped step left "
           "params and optimizer state untouched. On a CPU, XLA emulates float16 and bfloat16 "
-          "arithmetic,\nso mixed precision is slower here than float32; on GPUs and TPUs it is "
+          "arithmetic,\nso mixed precision buys little or no speed there; on GPUs and TPUs it is "
           "the fast path. What the CPU shows is that the losses match.")
 
 
