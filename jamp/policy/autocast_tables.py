@@ -33,7 +33,8 @@ Extend or override a table with `OpTable.updated` / `OpTable.without` and pass i
     table = jamp.transforms.autocast_table("cuda").updated({"logistic": FP32, "dot_general": "bfloat16"})
     loss = jamp.autocast(loss_fn, device_type="cuda", op_table=table)
 
-This module is plain data: it imports no JAX internals and nothing else of jamp.
+This module is plain data: it imports no JAX internals, and of jamp only the primitive names
+its keys are checked against.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from typing import Mapping, Union
 import jax.numpy as jnp
 import numpy as np
 
+from jax.extend import core as jex_core
+
+from jamp.policy import primitives
 from jamp.policy.dtypes import canonical_floating_dtype
 
 LOWER = "lower"
@@ -81,7 +85,12 @@ _LINALG_FFT_OPS = (
     "cholesky", "triangular_solve", "lu", "qr", "householder_product", "geqrf", "svd",
     "eigh", "eig", "schur", "hessenberg", "tridiagonal_solve", "fft",
 )
-_CPU_FP32_OPS = ("reduce_prod",) + _LINALG_FFT_OPS
+# rsqrt is where every normalization (BatchNorm, LayerNorm, GroupNorm, RMSNorm, in Flax and by
+# hand) turns its statistics into a scale. torch's norm kernels compute those statistics in
+# float32 on every device, whatever their input dtype; listing rsqrt makes the interpreter
+# compute the whole chain that feeds it (mean, mean of squares, variance) in float32 too.
+_NORM_STATISTICS_OPS = ("rsqrt",)
+_CPU_FP32_OPS = ("reduce_prod",) + _LINALG_FFT_OPS + _NORM_STATISTICS_OPS
 
 # torch's CPU sum/cumsum of bfloat16 return bfloat16 but accumulate in float (acc_type).
 _CPU_ACCUMULATE_OPS = ("reduce_sum", "cumsum")
@@ -95,7 +104,9 @@ class OpTable:
       device_type: "cuda", "cpu" or "tpu" ("gpu" is an alias of "cuda").
       default_dtype: the autocast dtype when `jamp.autocast` is given none.
       rules: primitive name -> `LOWER`, `FP32`, `ACCUMULATE_FP32` or an explicit floating
-        dtype. Read-only.
+        dtype. Read-only. Keys may also be `jax.extend.core.Primitive` objects (stored by
+        name); a name that is no JAX primitive (torch's "softmax", a typo) is a ValueError
+        that says what the torch op traces to.
     """
 
     device_type: str
@@ -103,7 +114,9 @@ class OpTable:
     rules: Mapping[str, Rule]
 
     def __post_init__(self):
-        checked = {name: _check_rule(name, rule) for name, rule in dict(self.rules).items()}
+        rules = {_primitive_name(name): rule for name, rule in dict(self.rules).items()}
+        _check_names(rules)
+        checked = {name: _check_rule(name, rule) for name, rule in rules.items()}
         object.__setattr__(self, "rules", MappingProxyType(checked))
         object.__setattr__(self, "default_dtype",
                            canonical_floating_dtype(self.default_dtype, "default_dtype"))
@@ -132,6 +145,28 @@ class OpTable:
         return self is other or isinstance(other, OpTable) and self._hash == other._hash and (
             self.device_type, self.default_dtype, dict(self.rules)) == (
             other.device_type, other.default_dtype, dict(other.rules))
+
+
+def _primitive_name(key) -> str:
+    # A Primitive object stands for its name (the way to list a primitive of your own).
+    return key.name if isinstance(key, jex_core.Primitive) else key
+
+
+def _check_names(rules: Mapping[str, Rule]) -> None:
+    bad = [name for name in rules if not isinstance(name, str)]
+    if bad:
+        raise TypeError(
+            f"Op table keys must be primitive names (str) or jax.extend.core.Primitive "
+            f"objects; got {', '.join(map(repr, bad))}.")
+    unknown = primitives.unknown_names(rules)
+    if unknown:
+        hints = " ".join(h for h in map(primitives.unknown_name_hint, unknown) if h)
+        one = len(unknown) == 1
+        raise ValueError(
+            f"Op table names {', '.join(map(repr, unknown))}, which "
+            f"{'is not a JAX primitive' if one else 'are not JAX primitives'}: a rule for "
+            f"{'it' if one else 'them'} would match nothing. {hints} "
+            f"{primitives.LIST_PRIMITIVES_HINT}".replace("  ", " "))
 
 
 def _check_rule(name: str, rule: Rule) -> Rule:

@@ -32,6 +32,11 @@ def typeof(x) -> Any:
     return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
 
 
+def is_tracer(x) -> bool:
+    """True for a value being traced (not a concrete array)."""
+    return isinstance(x, jax.core.Tracer)
+
+
 def weak_aval(x) -> Any:
     """The abstract value of `x`, weak-typed (as a Python scalar's would be)."""
     return typeof(x).update(weak_type=True)
@@ -242,6 +247,13 @@ def shard_map_options(params: dict) -> dict:
 def shard_map_body(params: dict) -> ClosedJaxpr:
     """The body of a shard_map equation as a closed jaxpr."""
     return _as_closed(params["jaxpr"])
+
+
+def declares_result_types(params: dict) -> bool:
+    """True for primitives whose params fix their result types, callbacks (`pure_callback`,
+    `io_callback`, `debug_callback`) and FFI calls: they must see the dtypes they were traced
+    with."""
+    return "result_avals" in params or "callback" in params
 
 
 def jaxprs_in_params(params: dict) -> bool:

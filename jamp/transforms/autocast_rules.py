@@ -29,11 +29,40 @@ CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float3
 AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
 
 # Primitives whose params hold jaxprs or computations typed for the traced dtypes (scatter's
-# update computation, generic reduce/reduce_window bodies): they run in the traced dtypes.
+# update computation, generic reduce/reduce_window bodies): they run in the traced dtypes. So do
+# primitives whose params declare their result types (callbacks, FFI calls), which the
+# interpreter recognizes by their params.
 PINNED = frozenset({
     "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
     "select_and_gather_add", "argsort",
+})
+
+# Ops that pass one of their operands through as the result: a constant operand that the low
+# dtype cannot represent saturates at its finite range here (its nearest value), where any other
+# op computes in the constant's dtype instead.
+SELECTIONS = frozenset({"select_n", "clamp", "max", "min"})
+
+# The ops a float32 op's operands are computed by, as one torch kernel would compute them from
+# its inputs: elementwise math, moves and reshapes, reductions, cross-device reductions.
+ELEMENTWISE = frozenset({
+    "neg", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "lgamma", "digamma", "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "abs",
+    "square", "integer_pow", "real", "imag", "conj", "reduce_precision", "copy", "copy_p",
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
+    "select_n", "clamp", "stop_gradient", "pvary",
+})
+STRUCTURAL = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
+    "dynamic_slice", "concatenate", "pad", "gather",
+})
+REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "psum", "psum_invariant", "pmax",
+    "pmin",
+})
+CHAIN = ELEMENTWISE | STRUCTURAL | REDUCTIONS | frozenset({
+    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
 })
 
 
@@ -145,32 +174,69 @@ def widest(dtypes) -> np.dtype:
     return result
 
 
-def input_targets(
-    primitive_name: str,
-    region: Region,
-    current: Sequence[np.dtype],
-    traced: Sequence[np.dtype],
-    follows: Sequence[bool],
-) -> list[np.dtype | None]:
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """What the rules need to know of one input of an equation.
+
+    Attributes:
+      current: its dtype now (after earlier casts); None when it is not floating.
+      traced: its dtype in the traced program; None when it is not floating.
+      follows: Python-scalar-like (a rank-0 literal, a weak-typed value) or a bias added to a
+        matmul's result: it takes the dtype of the other operands and never widens them.
+      constant: for a value known to be a constant of the program, its largest finite
+        magnitude as a numpy scalar of the traced dtype; else None.
+    """
+
+    current: np.dtype | None
+    traced: np.dtype | None
+    follows: bool = False
+    constant: np.generic | None = None
+
+    @property
+    def castable(self) -> bool:
+        return is_castable(self.current) and is_castable(self.traced)
+
+
+def input_targets(primitive_name: str, region: Region, operands: Sequence[Operand], *,
+                  float32: bool = False, traced_only: bool = False,
+                  wide_operand: bool = False) -> list[np.dtype | None]:
     """The dtype each input is cast to (None: left as is).
 
     Args:
       primitive_name: the equation's primitive.
       region: the autocast state of the equation.
-      current: the inputs' dtypes now (after earlier casts).
-      traced: the inputs' dtypes in the traced program.
-      follows: inputs that are Python-scalar-like (rank-0 literals, weak-typed values): they
-        take the dtype of the other operands and never widen them.
+      operands: one per input.
+      float32: the equation computes operands of a float32 op (see `float32_equations`).
+      traced_only: the equation must see its traced dtypes (its params declare them).
+      wide_operand: an input is float64 or complex: the op runs as the program wrote it, so a
+        float32 operand is never rounded down to meet a float64 one.
     """
-    castable = [is_castable(c) and is_castable(t) for c, t in zip(current, traced)]
-    if primitive_name in PINNED:
+    castable = [o.castable for o in operands]
+    traced = [o.traced for o in operands]
+    if (traced_only or wide_operand or primitive_name in PINNED
+            or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced)]
-    if not region.enabled and not region.as_is:
-        return [t if ok else None for ok, t in zip(castable, traced)]
+    if float32 and region.enabled:
+        return [FLOAT32 if ok else None for ok in castable]
     fixed = _fixed_dtype(primitive_name, region)
-    if fixed is not None:
+    if fixed is not None and not any(
+            ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands)):
         return [fixed if ok else None for ok in castable]
-    return _promote(current, traced, follows, castable)
+    return _promote(operands, castable, saturate=primitive_name in SELECTIONS)
+
+
+def overflows(constant: np.generic | None, dtype: np.dtype) -> bool:
+    """True when a finite constant rounds to infinity in `dtype`."""
+    if constant is None:
+        return False
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(constant) and not np.isfinite(constant.astype(dtype)))
+
+
+def finite_range(dtype: np.dtype) -> tuple[np.generic, np.generic]:
+    """The smallest and largest finite values of a floating dtype (where constants saturate)."""
+    info = jnp.finfo(dtype)
+    return np.asarray(info.min, dtype)[()], np.asarray(info.max, dtype)[()]
 
 
 def _fixed_dtype(primitive_name: str, region: Region) -> np.dtype | None:
@@ -191,19 +257,24 @@ def accumulates_in_fp32(primitive_name: str, region: Region) -> bool:
     return region.enabled and region.table.rule(primitive_name) == ACCUMULATE_FP32
 
 
-def _promote(current, traced, follows, castable) -> list[np.dtype | None]:
+def _promote(operands: Sequence[Operand], castable, saturate: bool) -> list[np.dtype | None]:
     # Inputs traced with the same dtype must agree again (the op was typed for that); each such
-    # group runs in the widest current dtype of its non-scalar members.
+    # group runs in the widest current dtype of its non-scalar members. A scalar-like constant
+    # the group's dtype cannot represent leads too (the op computes in the constant's dtype),
+    # unless the op only selects it (`saturate`): then it is cast to its nearest finite value.
     groups: dict[np.dtype, list[int]] = {}
     for i, ok in enumerate(castable):
         if ok:
-            groups.setdefault(np.dtype(traced[i]), []).append(i)
-    targets: list[np.dtype | None] = [None] * len(current)
+            groups.setdefault(np.dtype(operands[i].traced), []).append(i)
+    targets: list[np.dtype | None] = [None] * len(operands)
     for members in groups.values():
-        leaders = [current[i] for i in members if not follows[i]]
-        if not leaders:
-            continue
+        # Scalar-like values among themselves (weak-typed inputs, say) agree on their widest.
+        leaders = ([operands[i].current for i in members if not operands[i].follows]
+                   or [operands[i].current for i in members])
         target = widest(leaders)
+        if not saturate:
+            target = widest([target] + [operands[i].current for i in members
+                                        if overflows(operands[i].constant, target)])
         for i in members:
             targets[i] = target
     return targets

@@ -13,7 +13,15 @@ primitive, so structure, custom derivative rules and loop carry types survive:
   user's bwd runs with autocast off (torch's rule for custom backward functions) unless it is
   wrapped in `jamp.custom_bwd`.
 
-Each distinct sub-jaxpr is transformed once per program (per region and input types).
+Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
+of a float32 op (they run in float32 too). While it is evaluated, the interpreter keeps three
+facts about values: which are constants of the program (literals and what is broadcast from
+them: such a constant never rounds to infinity in the low dtype), which hold a matmul's low
+result, and which are broadcasts of smaller arrays (a bias added to a matmul's result follows
+its dtype, as torch's `linear` includes the bias).
+
+Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
+inputs).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp.policy.autocast_tables import LOWER
 from jamp.transforms import _jax_internals as jx
+from jamp.transforms import autocast_dataflow as dataflow
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms.autocast_rules import Region
 
@@ -39,11 +49,13 @@ class Context:
       cache_enabled: cast each value to each dtype once per jaxpr (torch's weight cache).
       jaxprs: transformed sub-jaxprs, keyed by (kind, sub-jaxpr, region, input types).
       regions: the region of each (enclosing region, name stack).
+      plans: per (jaxpr, region), each equation's region and the equations that run in float32.
     """
 
     cache_enabled: bool = True
     jaxprs: dict = dataclasses.field(default_factory=dict)
     regions: dict = dataclasses.field(default_factory=dict)
+    plans: dict = dataclasses.field(default_factory=dict)
 
     def region_for(self, region: Region, eqn) -> Region:
         stack = jx.name_stack(eqn)
@@ -53,6 +65,13 @@ class Context:
             found = rules.apply_markers(region, rules.parse_markers(str(stack)))
             self.regions[key] = found
         return found
+
+    def plan(self, jaxpr: jx.Jaxpr, region: Region) -> tuple[tuple[Region, ...], frozenset]:
+        key = (jaxpr, region)
+        if key not in self.plans:
+            regions = tuple(self.region_for(region, eqn) for eqn in jaxpr.eqns)
+            self.plans[key] = regions, dataflow.float32_equations(jaxpr, regions)
+        return self.plans[key]
 
 
 def dtype_of(x):
@@ -80,45 +99,147 @@ def _avals_key(avals) -> tuple:
                  for a in avals)
 
 
-def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region,
-               ctx: Context) -> list[Any]:
-    """Evaluates `closed` on `args` with autocast, binding on whatever trace is current."""
-    jaxpr = closed.jaxpr
-    env: dict = {}
-    casts: dict = {}
+def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx: Context,
+               constants: Sequence[np.generic | None] | None = None) -> list[Any]:
+    """Evaluates `closed` on `args` with autocast, binding on whatever trace is current.
 
-    def read(atom):
+    `constants` gives, per argument, the largest finite magnitude of an argument known to be a
+    constant of the enclosing program (None where it is not one).
+    """
+    jaxpr = closed.jaxpr
+    regions, float32 = ctx.plan(jaxpr, region)
+    frame = _Frame(ctx.cache_enabled)
+    frame.bind(jaxpr.constvars, closed.consts)
+    frame.bind(jaxpr.invars, args, constants)
+    for i, eqn in enumerate(jaxpr.eqns):
+        rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
+        with jx.equation_context(eqn):
+            if rule is not None:
+                outs = rule(eqn, [frame.read(a) for a in eqn.invars], regions[i], ctx,
+                            [frame.constant(a) for a in eqn.invars])
+            elif jx.jaxprs_in_params(eqn.params):
+                outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
+            else:
+                outs = _first_order(eqn, regions[i], frame, i in float32)
+        frame.env.update(zip(eqn.outvars, outs))
+    return [frame.read(v) for v in jaxpr.outvars]
+
+
+class _Frame:
+    """The values of one evaluation of one jaxpr, and what is known about them."""
+
+    def __init__(self, cache_enabled: bool):
+        self.env: dict = {}
+        self.cache_enabled = cache_enabled
+        self.casts: dict = {}
+        self.constants: dict = {}   # var -> largest finite magnitude, for program constants
+        self.lowered: set = set()   # vars holding a LOWER op's low-precision result
+        self.broadcasts: set = set()  # vars that are a broadcast of a smaller array
+
+    def bind(self, variables, values, constants=None) -> None:
+        self.env.update(zip(variables, values))
+        for var, value, known in zip(variables, values, constants or [None] * len(values)):
+            if known is None:
+                known = _scalar_constant(value)
+            if known is not None:
+                self.constants[var] = known
+
+    def read(self, atom):
         if isinstance(atom, jx.Literal):
             # As a numpy value of the literal's type, so casts of it stay literals.
             return np.asarray(atom.val, dtype=atom.aval.dtype) if _is_floating(atom.aval) \
                 else atom.val
-        return env[atom]
+        return self.env[atom]
 
-    def read_cast(atom, dtype):
-        value = read(atom)
+    def constant(self, atom) -> np.generic | None:
+        if isinstance(atom, jx.Literal):
+            return _scalar_constant(self.read(atom))
+        return self.constants.get(atom)
+
+    def read_cast(self, atom, dtype):
+        value = self.read(atom)
         if dtype is None or dtype_of(value) == dtype:
             return value
-        if not ctx.cache_enabled or isinstance(atom, jx.Literal):
-            return cast(value, dtype)
+        if not self.cache_enabled or isinstance(atom, jx.Literal):
+            return self._cast(atom, value, dtype)
         key = (atom, dtype)
-        if key not in casts:
-            casts[key] = cast(value, dtype)
-        return casts[key]
+        if key not in self.casts:
+            self.casts[key] = self._cast(atom, value, dtype)
+        return self.casts[key]
 
-    env.update(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        eqn_region = ctx.region_for(region, eqn)
-        rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
-        with jx.equation_context(eqn):
-            if rule is not None:
-                outs = rule(eqn, [read(a) for a in eqn.invars], eqn_region, ctx)
-            elif jx.jaxprs_in_params(eqn.params):
-                outs = _opaque(eqn, [read(a) for a in eqn.invars])
-            else:
-                outs = _first_order(eqn, eqn_region, read, read_cast)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    def _cast(self, atom, value, dtype):
+        # The rules narrow a constant the low dtype cannot hold only where an op selects it;
+        # it becomes its nearest finite value there, never infinity.
+        if rules.overflows(self.constant(atom), dtype):
+            return cast(saturate(value, dtype), dtype)
+        return cast(value, dtype)
+
+    def operand(self, atom) -> rules.Operand:
+        if not _is_floating(atom.aval):
+            return rules.Operand(None, None)
+        value = self.read(atom)
+        return rules.Operand(dtype_of(value), np.dtype(atom.aval.dtype),
+                             follows=_follows(atom, value), constant=self.constant(atom))
+
+    def note(self, eqn, lowered: bool) -> None:
+        """Records what is known of an equation's outputs."""
+        name = eqn.primitive.name
+        outs = eqn.outvars
+        if lowered:
+            self.lowered.update(outs)
+        first = eqn.invars[0] if eqn.invars else None
+        if name == "broadcast_in_dim" and _size(first) < _size(outs[0]):
+            self.broadcasts.update(outs)
+        if name == "reshape" and not isinstance(first, jx.Literal):
+            # A reshape keeps both facts (flax's Conv reshapes its output before the bias).
+            if first in self.lowered:
+                self.lowered.update(outs)
+            if first in self.broadcasts:
+                self.broadcasts.update(outs)
+        known = _propagated_constant(name, [self.constant(a) for a in eqn.invars if
+                                            _is_floating(getattr(a, "aval", None))])
+        if known is not None and len(outs) == 1 and _is_floating(outs[0].aval):
+            known = known.astype(outs[0].aval.dtype)
+            if np.isfinite(known):
+                self.constants[outs[0]] = known
+
+
+def _size(atom) -> int:
+    return int(np.prod(atom.aval.shape)) if atom is not None else 0
+
+
+# Ops whose result holds only values of their floating operands (moved, reshaped, negated):
+# a constant stays a constant, with the same largest magnitude.
+_CONSTANT_PRESERVING = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
+    "dynamic_slice", "gather", "copy", "copy_p", "neg", "abs", "stop_gradient", "pvary",
+    "select_n", "concatenate", "pad", "max", "min", "clamp", "convert_element_type",
+})
+
+
+def _propagated_constant(name: str, operands: list) -> np.generic | None:
+    if name not in _CONSTANT_PRESERVING or not operands or any(c is None for c in operands):
+        return None
+    return max(operands, key=lambda c: float(c))
+
+
+def _scalar_constant(value) -> np.generic | None:
+    """The magnitude of a concrete rank-0 floating value, when it is finite."""
+    if jx.is_tracer(value) or np.ndim(value) != 0:
+        return None
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    magnitude = np.abs(np.asarray(value))[()]
+    return magnitude if np.isfinite(magnitude) else None
+
+
+def saturate(value, dtype):
+    """`value` with finite entries beyond `dtype`'s range clipped to it (infinities kept)."""
+    low, high = (np.asarray(v, dtype_of(value)) for v in rules.finite_range(dtype))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.where(np.isfinite(value), np.clip(value, low, high), value).astype(value.dtype)
+    return lax.select(lax.is_finite(value), lax.clamp(low, value, high), value)
 
 
 def _is_floating(aval) -> bool:
@@ -135,38 +256,67 @@ def _follows(atom, value) -> bool:
                 or getattr(jx.typeof(value), "weak_type", False))
 
 
-def _first_order(eqn, region: Region, read, read_cast) -> list[Any]:
+def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]:
     name = eqn.primitive.name
     if name == "convert_element_type":
         # An explicit cast in the program is honoured as written; one to the dtype a value
         # already has is dropped.
-        value = read(eqn.invars[0])
+        value = frame.read(eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
+        frame.note(eqn, lowered=False)
         if dtype_of(value) == np.dtype(new_dtype) and not weak_type:
             return [value]
         return jx.bind(eqn, eqn.params, [value])
     if name == "optimization_barrier" and region.cast_inputs is not None:
-        values = [read(a) for a in eqn.invars]
+        values = [frame.read(a) for a in eqn.invars]
         targets = [region.cast_inputs if rules.is_castable(dtype_of(v)) else None
                    for v in values]
         return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
                                          for v, t in zip(values, targets)])
     floating = [_is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
-        return jx.bind(eqn, eqn.params, [read(a) for a in eqn.invars])
-    traced = [np.dtype(a.aval.dtype) if f else None for a, f in zip(eqn.invars, floating)]
-    current = [dtype_of(read(a)) if f else None for a, f in zip(eqn.invars, floating)]
-    targets = rules.input_targets(name, region, current, traced,
-                                  [_follows(a, read(a)) for a in eqn.invars])
-    invals = [read_cast(a, t) for a, t in zip(eqn.invars, targets)]
+        frame.note(eqn, lowered=False)
+        return jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars])
+    operands = [frame.operand(a) for a in eqn.invars]
+    if name == "add":
+        operands = _bias_follows(eqn, operands, frame)
+    targets = rules.input_targets(
+        name, region, operands, float32=float32,
+        traced_only=jx.declares_result_types(eqn.params),
+        wide_operand=any(_is_wide(a.aval) for a in eqn.invars))
+    invals = [frame.read_cast(a, t) for a, t in zip(eqn.invars, targets)]
     first = floating.index(True)
     result = dtype_of(invals[first])
-    params = jx.with_result_dtype(eqn.params, traced[first], result)
+    lowered = result in _BELOW_FP32 and region.enabled and region.table.rule(name) == LOWER
+    frame.note(eqn, lowered)
+    params = jx.with_result_dtype(eqn.params, operands[first].traced, result)
     if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
         return [cast(o, result) if _is_floating(o) else o for o in jx.bind(eqn, params, invals)]
     return jx.bind(eqn, params, invals)
+
+
+def _bias_follows(eqn, operands: list, frame: _Frame) -> list:
+    """In `matmul result + broadcast bias`, the bias follows the result's dtype (torch's linear,
+    conv and addmm add their bias inside the low-precision kernel)."""
+    a, b = eqn.invars
+    if isinstance(a, jx.Literal) or isinstance(b, jx.Literal):
+        return operands
+    for result, bias, i in ((a, b, 1), (b, a, 0)):
+        # The bias is smaller than the result: broadcast by the add itself (size-1 axes) or
+        # by a broadcast_in_dim before it.
+        smaller = bias in frame.broadcasts or _size(bias) < _size(eqn.outvars[0])
+        if result in frame.lowered and smaller:
+            operands = list(operands)
+            operands[i] = dataclasses.replace(operands[i], follows=True)
+    return operands
+
+
+def _is_wide(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and (dtype == np.float64 or jnp.issubdtype(dtype,
+                                                                         jnp.complexfloating))
 
 
 _BELOW_FP32 = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
@@ -184,13 +334,18 @@ def _to_traced(eqn, invals) -> list[Any]:
 # -- transformed sub-jaxprs -------------------------------------------------------------------
 
 def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
-                values: Sequence[Any]) -> jx.ClosedJaxpr:
-    """`closed` transformed for the dtypes of `values`; outputs in whatever dtypes result."""
+                values: Sequence[Any], constants: Sequence[Any] = ()) -> jx.ClosedJaxpr:
+    """`closed` transformed for the dtypes of `values`; outputs in whatever dtypes result.
+
+    `constants` (per value, see `eval_jaxpr`) are part of the key: inside the body a constant
+    input is still known to be one.
+    """
     avals = _weak_literal_avals(values)
-    key = ("specialized", closed, region, _avals_key(avals))
+    constants = tuple(constants) or (None,) * len(values)
+    key = ("specialized", closed, region, _avals_key(avals), constants)
     if key not in ctx.jaxprs:
         ctx.jaxprs[key] = jx.trace_closed(
-            lambda *args: eval_jaxpr(closed, args, region, ctx), avals)
+            lambda *args: eval_jaxpr(closed, args, region, ctx, constants), avals)
     return ctx.jaxprs[key]
 
 
@@ -212,27 +367,27 @@ def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.C
 
 # -- higher-order rules -----------------------------------------------------------------------
 
-def _jit_rule(eqn, invals, region, ctx):
+def _jit_rule(eqn, invals, region, ctx, constants):
     key = jx.call_body_key(eqn.params)
-    new = specialized(eqn.params[key], region, ctx, invals)
+    new = specialized(eqn.params[key], region, ctx, invals, constants)
     return jx.bind(eqn, dict(eqn.params, **{key: new}), invals)
 
 
-def _remat_rule(eqn, invals, region, ctx):
+def _remat_rule(eqn, invals, region, ctx, constants):
     body = jx.remat_body(eqn.params)
-    fn = jax.checkpoint(lambda *args: eval_jaxpr(body, args, region, ctx),
+    fn = jax.checkpoint(lambda *args: eval_jaxpr(body, args, region, ctx, constants),
                         **jx.remat_options(eqn.params))
     return list(fn(*invals))
 
 
-def _shard_map_rule(eqn, invals, region, ctx):
+def _shard_map_rule(eqn, invals, region, ctx, constants):
     body = jx.shard_map_body(eqn.params)
-    fn = jax.shard_map(lambda *args: tuple(eval_jaxpr(body, args, region, ctx)),
+    fn = jax.shard_map(lambda *args: tuple(eval_jaxpr(body, args, region, ctx, constants)),
                        **jx.shard_map_options(eqn.params))
     return list(fn(*invals))
 
 
-def _kept_rule(eqn, invals, region, ctx):
+def _kept_rule(eqn, invals, region, ctx, constants):
     """Loops and branches: their sub-jaxprs keep their interface."""
     params = dict(eqn.params)
     for key in jx.KEPT_BODY_PARAMS[eqn.primitive.name]:
@@ -244,11 +399,11 @@ def _kept_rule(eqn, invals, region, ctx):
     return jx.bind(eqn, params, _to_traced(eqn, invals))
 
 
-def _custom_jvp_rule(eqn, invals, region, ctx):
+def _custom_jvp_rule(eqn, invals, region, ctx, constants):
     # Specialized to the current dtypes, like jit: jax.nn.relu of a bfloat16 value stays
     # bfloat16. The user's jvp rule is traced for the same dtypes and its outputs are cast to
     # the primal body's, so primal and tangent types agree as JAX requires.
-    call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals)
+    call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals, constants)
     primal_avals = [jx.typeof(v) for v in invals[jx.custom_call_num_consts(eqn.params):]]
     out_avals = call.out_avals
 
@@ -265,7 +420,7 @@ def _custom_jvp_rule(eqn, invals, region, ctx):
     return jx.bind(eqn, jx.custom_jvp_params(eqn.params, call, transform), invals)
 
 
-def _custom_vjp_rule(eqn, invals, region, ctx):
+def _custom_vjp_rule(eqn, invals, region, ctx, constants):
     call = interface_kept(jx.custom_call_body(eqn.params), region, ctx)
     bwd_region = region.off_as_is()
 

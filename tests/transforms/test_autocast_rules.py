@@ -240,3 +240,38 @@ def test_non_floating_dtype_is_refused(bad):
 def test_bad_table_rule_is_refused():
     with pytest.raises(ValueError, match="'lower', 'fp32', 'accumulate_fp32' or a floating dtype"):
         autocast_table("cpu").updated({"exp": "int32"})
+
+
+def test_float32_operand_of_a_float64_matmul_is_not_rounded(variant, inspect):
+    # jnp lets a float32 array meet a float64 one in one dot_general: the op runs as written.
+    with jax.enable_x64(True):
+        w64 = W.astype(jnp.float64) / 3.0
+        f = jamp.autocast(lambda x, w: x @ w, device_type="cpu")
+        out = variant(f)(X, w64)
+        assert out.dtype == F64
+        np.testing.assert_allclose(out, np.asarray(X, np.float64) @ np.asarray(w64), rtol=1e-6)
+        dots = inspect.jaxpr_eqns(jax.make_jaxpr(f)(X, w64), "dot_general")
+        assert [inspect.eqn_dtypes(e) for e in dots] == [(["float32", "float64"], ["float64"])]
+        assert "bf16" not in jax.jit(f).lower(X, w64).as_text()
+
+
+@pytest.mark.parametrize("callback", ["pure_callback", "io_callback"])
+def test_callbacks_receive_their_traced_dtypes(callback, variant):
+    from jax.experimental import io_callback
+
+    seen = []
+
+    def host(a):
+        seen.append(np.asarray(a).dtype)
+        return np.asarray(a) * 2
+
+    def f(x, w):
+        h = x @ w   # bfloat16 under autocast; the callback was traced for float32
+        spec = jax.ShapeDtypeStruct(h.shape, h.dtype)
+        if callback == "pure_callback":
+            return jax.pure_callback(host, spec, h)
+        return io_callback(host, spec, h)
+
+    out = variant(jamp.autocast(f, device_type="cpu", cast_outputs=False))(X, W)
+    assert seen == [F32] and out.dtype == F32
+    np.testing.assert_allclose(out, 2 * (X @ W), rtol=2e-2, atol=2e-2)

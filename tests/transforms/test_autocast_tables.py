@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 
 import jamp
 from jamp.policy.autocast_tables import (
@@ -141,3 +142,32 @@ def test_cpu_table_matches_torch_cpu_autocast(case):
         want = torch_fn(torch, torch.from_numpy(np.array(X)))
     got = jamp.autocast(jax_fn, device_type="cpu", cast_outputs=False)(X)
     assert got.dtype.name == str(want.dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("name,says", [
+    ("softmax", "it traces to reduce_max, max, sub, exp, reduce_sum, div"),
+    ("layer_norm", "rsqrt"),
+    ("dot_generl", "did you mean 'dot_general'"),
+])
+def test_names_that_are_not_primitives_are_refused(name, says):
+    with pytest.raises(ValueError) as raised:
+        autocast_table("cuda").updated({name: FP32})
+    message = str(raised.value)
+    assert repr(name) in message and says in message
+    assert "jamp.transforms.primitive_names" in message
+
+
+MY_FUSED_OP = Primitive("my_fused_op")
+
+
+def test_a_primitive_of_your_own_is_accepted():
+    table = autocast_table("cpu").updated({MY_FUSED_OP: FP32})
+    assert table.rule("my_fused_op") == FP32
+    # By name too: it is defined at the top level of a loaded module.
+    assert autocast_table("cpu").updated({"my_fused_op": LOWER}).rule("my_fused_op") == LOWER
+
+
+def test_primitive_names_lists_what_a_function_traces_to():
+    names = jamp.transforms.primitive_names(jax.nn.softmax, X)
+    assert {"exp", "reduce_max", "reduce_sum", "div"} <= set(names)
+    assert names == list(dict.fromkeys(names))  # each once

@@ -1,0 +1,134 @@
+"""Which names are JAX primitives, and what torch's composite ops trace to.
+
+Op tables are keyed by primitive names (`jax.extend.core.Primitive.name`). torch's autocast lists
+name ATen ops (`softmax`, `layer_norm`, `mse_loss`), most of which are not single primitives in
+JAX: a table entry under such a name would match nothing. This module tells the two apart and, for
+a name that is not a primitive, says what the torch op traces to here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import sys
+import warnings
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+
+def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
+    """The names of the primitives `fn(*args, **kwargs)` traces to, sub-programs included,
+    in order of first appearance: the names an op table can use.
+
+    Example:
+      >>> jamp.transforms.primitive_names(jax.nn.softmax, jnp.ones(3))
+      ['reduce_max', 'max', 'broadcast_in_dim', 'stop_gradient', 'sub', 'exp', 'reduce_sum', 'div']
+    """
+    seen: dict[str, None] = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            seen.setdefault(eqn.primitive.name)
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+    return list(seen)
+
+
+@functools.lru_cache(maxsize=1)
+def _public_primitive_names() -> frozenset[str]:
+    found = set()
+    for module in (jex_core.primitives, lax, lax.linalg):
+        found.update(v.name for v in vars(module).values() if isinstance(v, jex_core.Primitive))
+    return frozenset(found)
+
+
+def _loaded_primitive_names() -> set[str]:
+    # Primitives defined anywhere in the running program, user-defined ones included: looked at
+    # only when a name is not among the public ones, since it walks every loaded module.
+    found = set()
+    with warnings.catch_warnings():  # some modules warn when their globals are read
+        warnings.simplefilter("ignore")
+        for module in list(sys.modules.values()):
+            try:
+                values = list(vars(module).values())
+            except TypeError:
+                continue
+            found.update(v.name for v in values if isinstance(v, jex_core.Primitive))
+    return found
+
+
+def unknown_names(names: Iterable[str]) -> list[str]:
+    """The names among `names` that no loaded JAX primitive has."""
+    missing = [n for n in names if n not in _public_primitive_names()]
+    if not missing:
+        return []
+    loaded = _loaded_primitive_names()
+    return [n for n in missing if n not in loaded]
+
+
+# numpy, so that importing jamp does not start a JAX backend.
+_X = np.linspace(0.1, 1.0, 12, dtype=np.float32).reshape(3, 4)
+
+# torch ops people put in autocast lists, with a JAX function that computes the same thing; the
+# hint traces it, so it names what this JAX version really emits.
+TORCH_COMPOSITES: dict[str, Callable[[], list[str]]] = {
+    "softmax": lambda: primitive_names(jax.nn.softmax, _X),
+    "log_softmax": lambda: primitive_names(jax.nn.log_softmax, _X),
+    "logsumexp": lambda: primitive_names(jax.nn.logsumexp, _X),
+    "layer_norm": lambda: primitive_names(
+        lambda x: (x - x.mean(-1, keepdims=True))
+        * lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) - x.mean(-1, keepdims=True) ** 2
+                    + 1e-5), _X),
+    "gelu": lambda: primitive_names(jax.nn.gelu, _X),
+    "silu": lambda: primitive_names(jax.nn.silu, _X),
+    "sigmoid": lambda: primitive_names(jax.nn.sigmoid, _X),
+    "relu": lambda: primitive_names(jax.nn.relu, _X),
+    "sum": lambda: primitive_names(jnp.sum, _X),
+    "mean": lambda: primitive_names(jnp.mean, _X),
+    "var": lambda: primitive_names(jnp.var, _X),
+    "mse_loss": lambda: primitive_names(lambda x: jnp.mean((x - 1.0) ** 2), _X),
+    "cross_entropy": lambda: primitive_names(
+        lambda x: -jnp.mean(jax.nn.log_softmax(x)[:, 0]), _X),
+    "normalize": lambda: primitive_names(
+        lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True), _X),
+    "matmul": lambda: primitive_names(lambda x: x @ _X.T, _X),
+    "linear": lambda: primitive_names(lambda x: x @ _X.T + 1.0, _X),
+    "conv2d": lambda: primitive_names(
+        lambda x: lax.conv_general_dilated(x[None, None], x[None, None, :2, :2], (1, 1),
+                                           "SAME"), _X),
+}
+for _alias, _name in (("layernorm", "layer_norm"), ("group_norm", "layer_norm"),
+                      ("batch_norm", "layer_norm"), ("mm", "matmul"), ("bmm", "matmul"),
+                      ("addmm", "linear"), ("einsum", "matmul"), ("dot", "matmul"),
+                      ("conv", "conv2d"), ("conv1d", "conv2d"), ("conv3d", "conv2d")):
+    TORCH_COMPOSITES[_alias] = TORCH_COMPOSITES[_name]
+
+
+# Primitives that only move, reshape or relabel values: left out of the hint, since a table
+# rule for them decides nothing.
+_STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "stop_gradient", "transpose",
+                         "convert_element_type", "copy", "jit", "pjit", "closed_call"})
+
+
+def unknown_name_hint(name: str) -> str:
+    """What to write instead of `name`, which is not a primitive."""
+    composite = TORCH_COMPOSITES.get(name.lower()) if isinstance(name, str) else None
+    if composite is not None:
+        emitted = [p for p in composite() if p not in _STRUCTURAL]
+        return f"torch's {name!r} is not one primitive here: it traces to {', '.join(emitted)}."
+    close = difflib.get_close_matches(str(name), sorted(_public_primitive_names()), n=3)
+    if close:
+        return f"For {name!r}, did you mean {' or '.join(map(repr, close))}?"
+    return ""
+
+
+LIST_PRIMITIVES_HINT = ("List the primitives a function traces to with "
+                        "jamp.transforms.primitive_names(fn, *args), or pass a "
+                        "jax.extend.core.Primitive object for a primitive of your own.")

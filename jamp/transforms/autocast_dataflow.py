@@ -1,0 +1,89 @@
+"""What autocast needs to know about a jaxpr before it evaluates it: which equations compute the
+operands of a float32 op, and so run in float32 themselves.
+
+torch decides dtypes per ATen kernel: `layer_norm`, `softmax` or `mse_loss` read their inputs and
+compute everything inside in float32, and torch's norm kernels compute their statistics in float32
+on every device. In a jaxpr those kernels are chains of primitives, and the decisive float32
+primitive (`rsqrt` of a variance, `exp` of a softmax, the `reduce_sum` of a loss) sits at the end
+of a chain that would otherwise run in the low dtype: the variance `E[x^2] - E[x]^2` in bfloat16,
+`x - max(x)` in float16. So float32 is demanded backwards from each float32 op, through the
+elementwise, structural and reduction ops that produce its operands, up to the values the chain
+starts from: a value that other ops also use at full size (an activation, the residual stream)
+stays as it is and is cast to float32 where the chain reads it, so only the kernel's inside
+changes. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
+computed in float32 for every use.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32
+from jamp.transforms import _jax_internals as jx
+from jamp.transforms.autocast_rules import CHAIN, Region, is_castable
+
+# Reductions that shrink their operand (cross-device reductions keep its shape).
+_SHRINKING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+
+
+def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[int]:
+    """Indices of the equations that compute in float32: float32 ops and the chains feeding them.
+
+    Args:
+      jaxpr: the program.
+      regions: the autocast region of each equation.
+    """
+    eqns = jaxpr.eqns
+    uses: Counter = Counter()
+    for eqn in eqns:
+        uses.update(v for v in eqn.invars if _is_var(v))
+    uses.update(v for v in jaxpr.outvars if _is_var(v))  # used by the caller, at full size
+    reduced = _reduced_values(eqns)
+
+    demanded_uses: Counter = Counter()
+
+    def demanded(var) -> bool:
+        return demanded_uses[var] > 0 and (var in reduced or demanded_uses[var] == uses[var])
+
+    result = set()
+    for i in reversed(range(len(eqns))):
+        eqn, region = eqns[i], regions[i]
+        if not region.enabled or not any(_castable(v) for v in eqn.outvars):
+            continue
+        name = eqn.primitive.name
+        rule = region.table.rule(name)
+        seed = rule == FP32
+        feeds = (name in CHAIN and rule in (None, ACCUMULATE_FP32)
+                 and any(demanded(v) for v in eqn.outvars))
+        if not (seed or feeds):
+            continue
+        result.add(i)
+        demanded_uses.update(v for v in eqn.invars if _is_var(v) and _castable(v))
+    return frozenset(result)
+
+
+def _reduced_values(eqns) -> set:
+    """Values computed from reductions alone: statistics, cheap to hold in float32."""
+    reduced: set = set()
+    for eqn in eqns:
+        name = eqn.primitive.name
+        inputs = [v for v in eqn.invars if _is_var(v) and _is_floating(v)]
+        if name in _SHRINKING or (
+                name in CHAIN and inputs and all(v in reduced for v in inputs)):
+            reduced.update(eqn.outvars)
+    return reduced
+
+
+def _is_var(atom) -> bool:
+    return not isinstance(atom, jx.Literal)
+
+
+def _is_floating(var) -> bool:
+    return jnp.issubdtype(var.aval.dtype, jnp.floating)
+
+
+def _castable(var) -> bool:
+    return is_castable(getattr(var.aval, "dtype", None))

@@ -1,0 +1,229 @@
+"""autocast on the Flax models users train first: attention over padded batches, conv+BatchNorm,
+Dense+LayerNorm (and GroupNorm, RMSNorm), in linen and NNX, on both tables; biases and the
+activation memory they decide."""
+
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jamp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import TransformerStack, next_token_loss  # noqa: E402
+
+BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+TABLES = [("cpu", BF16), ("cuda", F16)]
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# -- padded attention ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("fill", [np.finfo(np.float32).min, -1e9, -2.4e38])
+def test_masked_softmax_fill_never_becomes_inf(device_type, fill, variant):
+    # The issue's reproduction: a fully masked row must give a uniform softmax, not NaN.
+    f = lambda q, k, m: jax.nn.softmax(jnp.where(m, q @ k.T, fill), -1)
+    q = k = jnp.ones((2, 4))
+    mask = jnp.array([[1, 0], [0, 0]], bool)
+    got = variant(jamp.autocast(f, device_type=device_type))(q, k, mask)
+    np.testing.assert_allclose(got, [[1.0, 0.0], [0.5, 0.5]], atol=1e-6)
+
+
+@pytest.mark.parametrize("device_type,dtype", TABLES)
+def test_linen_attention_with_padding_mask_trains(device_type, dtype, inspect):
+    attn = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    lengths = jnp.array([5, 0])  # the second sequence is all padding
+    pad = jnp.arange(5)[None, :] < lengths[:, None]
+    mask = nn.make_attention_mask(pad, pad)
+    variables = jax.jit(attn.init)(jax.random.key(1), x, mask=mask)
+
+    def loss(params, x, mask):
+        return jnp.mean(attn.apply({"params": params}, x, mask=mask) ** 2)
+
+    auto = jamp.autocast(loss, device_type=device_type)
+    value, grads = jax.jit(jax.value_and_grad(auto))(variables["params"], x, mask)
+    want, want_grads = jax.value_and_grad(loss)(variables["params"], x, mask)
+    assert np.isfinite(value) and rel_err(value, want) < 3e-2
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])
+    assert rel_err(flat(grads), flat(want_grads)) < 5e-2
+    # The matmuls still run in the low dtype: the fix is the constant, not the attention.
+    dots = inspect.lowered_op_types(auto, variables["params"], x, mask, op="dot_general")
+    assert dots and all(t == (dtype.name,) * 3 for t in dots)
+
+
+def test_computed_overflow_stays_visible_and_big_constants_stay_exact(variant):
+    # A value the program computes overflows float16 as it would in torch: the loss scaler
+    # must see it. A big constant in arithmetic is not rounded: the op runs in float32.
+    big = jnp.full((2, 4), 300.0)
+    overflowing = jamp.autocast(lambda x, w: x @ w.T, device_type="cuda", cast_outputs=False)
+    assert np.isinf(variant(overflowing)(big, big)).all()
+    scaled = jamp.autocast(lambda x, w: (x @ w.T) * 1e5, device_type="cuda", cast_outputs=False)
+    small = jnp.full((2, 4), 0.01)
+    out = variant(scaled)(small, small)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, 40.0, rtol=1e-2)
+
+
+# -- normalization statistics ----------------------------------------------------------------
+
+def _stat_eqns(inspect, f, *args):
+    """The reductions and rsqrts of a program: where normalizations compute statistics."""
+    jaxpr = jax.make_jaxpr(f)(*args)
+    return [e for name in ("reduce_sum", "rsqrt") for e in inspect.jaxpr_eqns(jaxpr, name)]
+
+
+class LinenNorm(nn.Module):
+    norm: str
+
+    @nn.compact
+    def __call__(self, x):
+        if self.norm in ("BatchNorm", "GroupNorm"):
+            x = nn.Conv(8, (3, 3), use_bias=False)(x)
+            norm = (nn.BatchNorm(use_running_average=False) if self.norm == "BatchNorm"
+                    else nn.GroupNorm(num_groups=4))
+        else:
+            x = nn.Dense(8)(x)
+            norm = getattr(nn, self.norm)()
+        return norm(x)
+
+
+class NNXNorm(nnx.Module):
+    def __init__(self, norm: str, rngs):
+        conv = norm in ("BatchNorm", "GroupNorm")
+        self.layer = (nnx.Conv(4, 8, (3, 3), use_bias=False, rngs=rngs) if conv
+                      else nnx.Linear(4, 8, rngs=rngs))
+        self.norm = (nnx.BatchNorm(8, rngs=rngs) if norm == "BatchNorm"
+                     else nnx.GroupNorm(8, num_groups=4, rngs=rngs) if norm == "GroupNorm"
+                     else getattr(nnx, norm)(8, rngs=rngs))
+
+    def __call__(self, x):
+        return self.norm(self.layer(x))
+
+
+NORMS = ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"]
+
+
+def _norm_input(norm):
+    shape = (4, 6, 6, 4) if norm in ("BatchNorm", "GroupNorm") else (16, 4)
+    # Off-centre inputs: where low-precision statistics lose the most.
+    return jax.random.normal(jax.random.key(2), shape) * 3.0 + 5.0
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_linen_norm_statistics_run_in_float32(norm, device_type, inspect):
+    model = LinenNorm(norm)
+    x = _norm_input(norm)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    f = jamp.autocast(lambda v, x: model.apply(v, x, mutable=["batch_stats"]),
+                      device_type=device_type)
+    stats = _stat_eqns(inspect, f, variables, x)
+    assert stats and all(inspect.eqn_dtypes(e) == (["float32"], ["float32"]) for e in stats)
+    out, updates = f(variables, x)
+    want, want_updates = model.apply(variables, x, mutable=["batch_stats"])
+    assert rel_err(out, want) < 1e-2
+    for got, ref in zip(jax.tree.leaves(updates), jax.tree.leaves(want_updates)):
+        assert got.dtype == F32 and rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_nnx_norm_statistics_run_in_float32(norm, device_type, inspect):
+    model = NNXNorm(norm, nnx.Rngs(0))
+    x = _norm_input(norm)
+    graphdef, state = nnx.split(model)
+
+    def forward(state, x):
+        m = nnx.merge(graphdef, state)
+        return m(x), nnx.state(m)
+
+    f = jamp.autocast(forward, device_type=device_type)
+    stats = _stat_eqns(inspect, f, state, x)
+    assert stats and all(inspect.eqn_dtypes(e) == (["float32"], ["float32"]) for e in stats)
+    (out, _), (want, _) = f(state, x), forward(state, x)
+    assert rel_err(out, want) < 1e-2
+
+
+class ConvBN(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype)(x)
+        return nn.BatchNorm(use_running_average=False, dtype=self.dtype)(x)
+
+
+class DenseLN(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.LayerNorm(dtype=self.dtype)(nn.Dense(64, dtype=self.dtype)(x))
+
+
+@pytest.mark.parametrize("device_type,dtype", TABLES)
+@pytest.mark.parametrize("module", [ConvBN, DenseLN])
+def test_norm_error_no_worse_than_hand_written_low_precision(module, device_type, dtype):
+    x = jax.random.normal(jax.random.key(0), (8, 8, 8, 8)) * 3.0 + 1.0
+    if module is DenseLN:
+        x = x.reshape(64, 64)
+    variables = jax.jit(module().init)(jax.random.key(1), x)
+    run = lambda m: jax.jit(lambda v, x: m.apply(v, x, mutable=["batch_stats"]))
+    want, want_stats = run(module())(variables, x)
+    hand, hand_stats = run(module(dtype=dtype))(variables, x)
+    auto, auto_stats = jax.jit(jamp.autocast(
+        lambda v, x: module().apply(v, x, mutable=["batch_stats"]),
+        device_type=device_type))(variables, x)
+    assert rel_err(auto, want) <= rel_err(hand, want)
+    for a, h, w in zip(jax.tree.leaves(auto_stats), jax.tree.leaves(hand_stats),
+                       jax.tree.leaves(want_stats)):
+        assert rel_err(a, w) <= rel_err(h, w)
+
+
+# -- biases and activation memory ------------------------------------------------------------
+
+@pytest.mark.parametrize("device_type,dtype", TABLES)
+def test_dense_and_conv_biases_follow_the_matmul(device_type, dtype, inspect):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Conv(4, (3, 3))(x)
+            return nn.Dense(3)(jax.nn.gelu(h.reshape(h.shape[0], -1)))
+
+    x = jnp.ones((2, 4, 4, 3))
+    model = Net()
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    f = jamp.autocast(model.apply, device_type=device_type, cast_outputs=False)
+    assert f(variables, x).dtype == dtype   # torch's linear returns the low dtype, bias included
+    text = jax.jit(f).lower(variables, x).as_text()
+    # Both bias adds (and gelu's) run in the low dtype; no float32 add is left.
+    assert set(inspect.hlo_op_types(text, "add")) == {(dtype.name,)}
+
+
+def residual_bytes(loss, params, tokens) -> int:
+    """Bytes of the values `jax.vjp` keeps for the backward pass."""
+    pullback = jax.jit(lambda p: jax.vjp(lambda p: loss(p, tokens), p)[1])(params)
+    return sum(x.nbytes for x in jax.tree.leaves(pullback))
+
+
+def test_saved_activations_close_to_hand_written_bf16():
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    loss = lambda model: (lambda p, t: next_token_loss(model.apply(p, t), t))
+    f32 = TransformerStack(vocab=64, width=32, depth=2, num_heads=2)
+    hand = TransformerStack(vocab=64, width=32, depth=2, num_heads=2, dtype=jnp.bfloat16)
+    params = jax.jit(f32.init)(jax.random.key(0), tokens)
+    auto = jamp.autocast(loss(f32), device_type="cpu")
+    assert residual_bytes(auto, params, tokens) <= 1.15 * residual_bytes(loss(hand), params,
+                                                                          tokens)
