@@ -10,6 +10,8 @@ jax 0.10.x and 0.11.x.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -25,6 +27,8 @@ Literal = jex_core.Literal
 # lazily traced derivative rules of custom_jvp/custom_vjp, which are `lu.WrappedFun`s.
 from jax._src import linear_util as _lu  # noqa: E402
 from jax._src import source_info_util as _source_info  # noqa: E402
+# The settings that key jax.jit's own cache: autocast's cache of traced programs uses them too.
+from jax._src import config as _config  # noqa: E402
 
 
 def typeof(x) -> Any:
@@ -45,21 +49,57 @@ def weak_aval(x) -> Any:
 def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
     """Traces `fn(*args)` at abstract values to a closed jaxpr (public `jax.make_jaxpr`).
 
-    The avals' shardings are kept: with explicit-axis meshes they are part of the type.
+    The avals' shardings and, inside `shard_map`, their varying manual axes are kept: both are
+    part of the type (a replicated operand meeting a varying one is an error otherwise).
     """
     return jax.make_jaxpr(fn)(*map(_spec, avals))
 
 
 def _spec(aval) -> jax.ShapeDtypeStruct:
     weak_type = getattr(aval, "weak_type", False)
+    extra = {}
     sharding = getattr(aval, "sharding", None)
     if sharding is not None:
+        extra["sharding"] = sharding
+    manual_axis_type = getattr(aval, "manual_axis_type", None)
+    if manual_axis_type is not None:
+        extra["manual_axis_type"] = manual_axis_type
+    while True:
         try:
-            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type,
-                                        sharding=sharding)
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type, **extra)
         except (TypeError, ValueError):
-            pass
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type)
+            if not extra:
+                raise
+            extra.popitem()  # a field this jax does not take here: drop it and retry
+
+
+def with_debug_info(flat_fn: Callable, fn: Callable, arg_names: Sequence[str],
+                    traced_for: str = "jamp.autocast") -> Callable:
+    """Marks `flat_fn` (which traces `fn` on flattened inputs) so that errors raised while
+    tracing it name `fn`, its source line and the user's argument paths, as `jax.jit`'s do.
+    jax reads the `__fun_debug_info__` attribute that its own wrappers set."""
+    flat_fn.__fun_debug_info__ = jex_core.DebugInfo(traced_for, _function_location(fn),
+                                                    tuple(arg_names), None)
+    return flat_fn
+
+
+def _function_location(fn: Callable) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn)
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if code is None:
+        return name
+    return f"{name} at {code.co_filename}:{code.co_firstlineno}"
+
+
+def trace_context() -> Any:
+    """The JAX settings a traced program depends on (x64, matmul precision, the mesh...), as
+    `jax.jit` keys its cache with them."""
+    return _config.trace_context()
 
 
 def name_stack(eqn: JaxprEqn):

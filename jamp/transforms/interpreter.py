@@ -100,16 +100,18 @@ def _avals_key(avals) -> tuple:
 
 
 def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx: Context,
-               constants: Sequence[np.generic | None] | None = None) -> list[Any]:
+               constants: Sequence[np.generic | None] | None = None,
+               consts: Sequence[Any] | None = None) -> list[Any]:
     """Evaluates `closed` on `args` with autocast, binding on whatever trace is current.
 
     `constants` gives, per argument, the largest finite magnitude of an argument known to be a
-    constant of the enclosing program (None where it is not one).
+    constant of the enclosing program (None where it is not one). `consts` replaces the
+    jaxpr's own consts (closed-over arrays the caller passes afresh).
     """
     jaxpr = closed.jaxpr
     regions, float32 = ctx.plan(jaxpr, region)
     frame = _Frame(ctx.cache_enabled)
-    frame.bind(jaxpr.constvars, closed.consts)
+    frame.bind(jaxpr.constvars, closed.consts if consts is None else consts)
     frame.bind(jaxpr.invars, args, constants)
     for i, eqn in enumerate(jaxpr.eqns):
         rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)

@@ -231,6 +231,26 @@ def test_shard_map(mesh, inspect):
     assert rel_err(grads, want) < 3e-2
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_data_parallel_shard_map_of_grad_of_autocast(mesh, device_type, inspect):
+    # The ordinary data-parallel step: replicated weights, batch split over 8 devices, the
+    # autocast loss differentiated inside shard_map. The replicated w meets the varying x.
+    x = jax.device_put(jnp.tile(X, (8, 1)), NamedSharding(mesh, P("d")))
+    w = jax.device_put(W, NamedSharding(mesh, P()))
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def step(loss):
+        grad = lambda w, x: lax.pmean(jax.grad(loss)(w, x), "d")
+        return jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+
+    auto = jamp.autocast(loss, device_type=device_type)
+    got = step(auto)(w, x)
+    assert got.dtype == F32 and rel_err(got, step(loss)(w, x)) < 3e-2
+    dots = dot_types(inspect, step(auto), w, x)
+    low = "bfloat16" if device_type == "cpu" else "float16"
+    assert dots and all(t == (low,) * 3 for t in dots)
+
+
 def test_vmap_outside(variant, inspect):
     xs = jnp.stack([X, 2 * X])
     f = lambda x, w: jnp.tanh(x @ w)

@@ -1,0 +1,183 @@
+"""What crosses an autocast function's boundary: torch's call forms, outputs that are not arrays,
+errors that name the user's function, and the cache of traced programs (a repeated call does not
+trace again, and never serves stale values)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jamp
+
+BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
+W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+
+
+# -- torch's call forms ----------------------------------------------------------------------
+
+def test_device_type_first_as_torch_writes_it(variant):
+    applied = jamp.autocast("cuda", dtype=jnp.float16, cast_outputs=False)(lambda x, w: x @ w)
+    assert variant(applied)(X, W).dtype == F16
+
+    @jamp.autocast("cpu", cast_outputs=False)
+    def decorated(x, w):
+        return x @ w
+
+    assert variant(decorated)(X, W).dtype == BF16
+
+    def with_region(x, w):
+        with jamp.autocast("cuda", dtype=jnp.float16):
+            inside = x @ w
+        return inside, x @ w
+
+    inside, outside = variant(jamp.autocast(with_region, device_type="cpu",
+                                            cast_outputs=False))(X, W)
+    assert (inside.dtype, outside.dtype) == (F16, BF16)
+    assert jamp.autocast("gpu").device_type == "cuda"
+
+
+@pytest.mark.parametrize("bad", [3, 2.5, [1, 2], np.ones(2)])
+def test_first_argument_neither_function_nor_device_is_refused(bad):
+    with pytest.raises(TypeError, match=r"first argument must be a function .* or a device"):
+        jamp.autocast(bad)
+
+
+def test_device_type_given_twice_is_refused():
+    with pytest.raises(TypeError, match="device type twice: 'cuda' .* device_type='cpu'"):
+        jamp.autocast("cuda", device_type="cpu")
+
+
+def test_unknown_positional_device_type_is_refused():
+    with pytest.raises(ValueError, match="Unknown autocast device_type 'xpu'"):
+        jamp.autocast("xpu")
+
+
+# -- outputs that are not arrays -------------------------------------------------------------
+
+def test_non_array_outputs_come_back_as_they_were_returned(variant):
+    def f(x, w, tag):
+        return {"logits": x @ w, "tag": tag, "note": "ok", "scale": 0.5, "none": None}
+
+    def call(x, w):  # checked inside, since jax.jit itself returns only arrays
+        out = jamp.autocast(f, device_type="cpu")(x, w, "train")
+        assert out["tag"] == "train" and out["note"] == "ok" and out["none"] is None
+        assert out["scale"] == 0.5 and type(out["scale"]) is float
+        return out["logits"]
+
+    assert variant(call)(X, W).dtype == F32
+
+
+def test_a_module_returned_is_the_module_passed():
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    same, y = jamp.autocast(lambda m, x: (m, m(x)), device_type="cpu")(model, X)
+    assert same is model and y.dtype == F32
+
+
+# -- errors name the user's function ---------------------------------------------------------
+
+def my_loss(params, batch):
+    if batch["x"].sum() > 0:  # Python control flow on a traced value: an error
+        return params["w"].sum()
+    return 0.0
+
+
+def test_errors_name_the_users_function_and_argument():
+    call = jamp.autocast(my_loss, device_type="cpu")
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        call({"w": W}, {"x": X, "tag": "train"})
+    message = str(raised.value)
+    assert "my_loss at" in message and "test_boundary.py" in message
+    assert "argument batch['x']" in message
+    assert "flat_fn" not in message and "autocast.py" not in message
+
+
+# -- the cache of traced programs ------------------------------------------------------------
+
+class Counter:
+    """Counts traces. An object: the closure walk keys it by identity, not by its count."""
+
+    def __init__(self):
+        self.traces = 0
+
+
+def compiles_during(fn):
+    """How many XLA compilations `fn()` triggers (jax.monitoring's public events)."""
+    events = []
+    listener = lambda name, *_, **__: events.append(name)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return sum("backend_compile" in name for name in events)
+
+
+def test_a_repeated_eager_call_neither_traces_nor_compiles():
+    counter = Counter()
+
+    @jax.jit
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    def loss(x, w):
+        counter.traces += 1
+        return jnp.sum(layer(layer(x, w), w))
+
+    auto = jamp.autocast(loss, device_type="cpu")
+    first = auto(X, W)
+    assert counter.traces == 1
+    assert compiles_during(lambda: auto(X, W)) == 0 and counter.traces == 1
+    # Built again (as inside a training loop), the transform finds the same program.
+    jamp.autocast(loss, device_type="cpu")(X, W)
+    assert counter.traces == 1
+    # New input types, or a new static value, trace again.
+    auto(X[:2], W)
+    assert counter.traces == 2
+    np.testing.assert_allclose(auto(X, W), first)
+
+
+def test_the_cache_never_serves_stale_closed_over_values():
+    counter = Counter()
+    w = W
+    scale = 2.0
+
+    def f(x):
+        counter.traces += 1
+        return (x @ w) * scale
+
+    auto = jamp.autocast(f, device_type="cpu")
+    np.testing.assert_allclose(auto(X), (X @ W) * 2.0, rtol=2e-2, atol=2e-2)
+    w = W * 3.0  # a new array bound to the closed-over name: read without tracing again
+    np.testing.assert_allclose(auto(X), (X @ W) * 6.0, rtol=2e-2, atol=2e-2)
+    assert counter.traces == 1
+    scale = 5.0  # a Python scalar is part of the program: traced again
+    np.testing.assert_allclose(auto(X), (X @ W) * 15.0, rtol=2e-2, atol=2e-2)
+    assert counter.traces == 2
+
+
+def test_arrays_behind_an_object_are_read_by_tracing_again():
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.w = W
+    auto = jamp.autocast(lambda x: x @ holder.w, device_type="cpu")
+    np.testing.assert_allclose(auto(X), X @ W, rtol=2e-2, atol=2e-2)
+    holder.w = -W
+    np.testing.assert_allclose(auto(X), -(X @ W), rtol=2e-2, atol=2e-2)
+
+
+def test_nnx_modules_updated_by_an_optimizer_are_read_afresh():
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    forward = jamp.autocast(lambda x: model(x), device_type="cpu")
+    before = forward(X)
+    grads = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(model)
+    optimizer.update(model, grads)
+    after = forward(X)
+    assert not np.allclose(after, before)
+    np.testing.assert_allclose(after, model(X), rtol=2e-2, atol=2e-2)
