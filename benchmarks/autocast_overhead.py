@@ -1,10 +1,15 @@
 """What autocast costs: jamp.autocast of a float32 Flax transformer vs the same model hand-written
 in bfloat16 (Flax's `dtype=jnp.bfloat16`, float32 params).
 
-Prints two ratios, measured side by side in one process:
+Prints four ratios, measured side by side in one process:
   * the jitted grad step of autocast(f32 model, bfloat16) over the hand-written one (target <= 1.05);
   * trace + compile time of a 12-block transformer under autocast over the hand-written one
-    (target <= 1.3).
+    (target <= 1.3);
+  * an eager call (no jax.jit) of the autocast loss over the same loss called eagerly without
+    autocast, on a small transformer (target <= 1.5); the eager grad is printed beside;
+  * the bytes of the activations saved for the backward pass (jax.vjp's residuals) under autocast
+    over the hand-written bfloat16 model's (target <= 1.15), on both op tables. This one is a count
+    of bytes, not a timing: it is the same on every run.
 Where jaxamp or grampax are installed (`pip install '.[bench]'`), their figures are printed beside.
 
 Run: python benchmarks/autocast_overhead.py [--quick]
@@ -19,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 import jamp
-from common import TransformerStack, next_token_loss, print_ratios, time_side_by_side
+from common import (TransformerStack, next_token_loss, print_ratios, residual_bytes,
+                    time_side_by_side)
 
 
 def make_loss(model):
@@ -105,6 +111,50 @@ def compile_times(args, peers):
     return {name: s for name, s in samples.items() if s}
 
 
+def eager_call_times(args):
+    """Seconds per eager call (no jax.jit anywhere) of the loss and of its grad."""
+    model = TransformerStack(width=args.eager_width, depth=2, num_heads=4)
+    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 256)
+    params = model.init(jax.random.key(0), tokens)
+    plain = make_loss(model)
+    auto = jamp.autocast(plain, dtype=jnp.bfloat16)
+    candidates = {
+        "plain loss, eager": lambda: plain(params, tokens),
+        "jamp.autocast(loss), eager": lambda: auto(params, tokens),
+        "jax.grad(loss), eager": lambda: jax.grad(plain)(params, tokens),
+        "jax.grad(jamp.autocast(loss)), eager": lambda: jax.grad(auto)(params, tokens),
+    }
+    return time_side_by_side(candidates, rounds=args.rounds, steps=3)
+
+
+def residual_ratios(args):
+    """Bytes of jax.vjp's residuals of the grad step: autocast and float32 over hand-written."""
+    f32_model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
+    bf16_model = TransformerStack(width=args.width, depth=args.depth, num_heads=4,
+                                  dtype=jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 256)
+    params = f32_model.init(jax.random.key(0), tokens)
+    hand = residual_bytes(lambda p: make_loss(bf16_model)(p, tokens), params)
+    rows = {"hand-written bfloat16 (flax dtype=)": hand}
+    for device_type in ("cpu", "cuda"):
+        auto = jamp.autocast(make_loss(f32_model), dtype=jnp.bfloat16, device_type=device_type)
+        rows[f"jamp.autocast(f32 model), {device_type} table"] = residual_bytes(
+            lambda p: auto(p, tokens), params)
+    rows["float32 (no mixed precision)"] = residual_bytes(
+        lambda p: make_loss(f32_model)(p, tokens), params)
+    return rows
+
+
+def print_residuals(title, rows, baseline, target_names, target):
+    print(title)
+    for name, size in rows.items():
+        ratio = size / rows[baseline]
+        mark = ""
+        if name in target_names:
+            mark = f"  (target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'})"
+        print(f"  {name:40s} {size / 2**20:9.2f} MiB   x{ratio:.3f}{mark}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke run")
@@ -112,6 +162,7 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--eager-width", type=int, default=64)
     args = parser.parse_args()
     args.rounds, args.steps, args.compile_rounds = (3, 3, 1) if args.quick else (9, 10, 3)
 
@@ -128,6 +179,18 @@ def main():
     print_ratios(f"\ntrace + compile of the grad, 12 blocks "
                  f"(median of {args.compile_rounds} paired rounds):",
                  compiles, base, targets={mine: 1.3})
+    eager = eager_call_times(args)
+    print_ratios(f"\neager calls, 2 blocks of width {args.eager_width} "
+                 f"(median of {args.rounds} paired rounds):",
+                 {k: eager[k] for k in ("plain loss, eager", "jamp.autocast(loss), eager")},
+                 "plain loss, eager", targets={"jamp.autocast(loss), eager": 1.5})
+    print_ratios("", {k: eager[k] for k in ("jax.grad(loss), eager",
+                                             "jax.grad(jamp.autocast(loss)), eager")},
+                 "jax.grad(loss), eager")
+    rows = residual_ratios(args)
+    print_residuals(f"\nactivations saved for the backward pass, {args.depth} blocks "
+                    f"(jax.vjp's residuals):", rows, base,
+                    [name for name in rows if name.startswith("jamp")], 1.15)
 
 
 if __name__ == "__main__":

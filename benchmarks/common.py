@@ -66,6 +66,13 @@ def next_token_loss(logits, tokens):
     return -jnp.mean(jnp.sum(logp * target, axis=-1))
 
 
+def residual_bytes(loss: Callable, *args) -> int:
+    """Bytes of the values `jax.vjp` keeps for the backward pass of `loss(*args)`, read from
+    the pullback's leaves (its saved residuals) after one jitted forward."""
+    pullback = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(pullback))
+
+
 def block_until_ready(tree):
     return jax.tree_util.tree_map(
         lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)

@@ -15,7 +15,7 @@ from flax import nnx
 import jamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.common import TransformerStack, next_token_loss  # noqa: E402
+from benchmarks.common import TransformerStack, next_token_loss, residual_bytes  # noqa: E402
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 TABLES = [("cpu", BF16), ("cuda", F16)]
@@ -210,12 +210,6 @@ def test_dense_and_conv_biases_follow_the_matmul(device_type, dtype, inspect):
     text = jax.jit(f).lower(variables, x).as_text()
     # Both bias adds (and gelu's) run in the low dtype; no float32 add is left.
     assert set(inspect.hlo_op_types(text, "add")) == {(dtype.name,)}
-
-
-def residual_bytes(loss, params, tokens) -> int:
-    """Bytes of the values `jax.vjp` keeps for the backward pass."""
-    pullback = jax.jit(lambda p: jax.vjp(lambda p: loss(p, tokens), p)[1])(params)
-    return sum(x.nbytes for x in jax.tree.leaves(pullback))
 
 
 def test_saved_activations_close_to_hand_written_bf16():

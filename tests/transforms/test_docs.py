@@ -1,0 +1,139 @@
+"""The examples of docs/autocast.md run as written and do what the text says."""
+
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jamp
+
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+class Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.bn(self.linear(x)))
+
+
+def namespace():
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    model = Classifier()
+    variables = jax.jit(lambda x: model.init(jax.random.key(1), x))(x)
+
+    def loss_fn(params, batch):
+        return jnp.mean(model.apply({**variables, "params": params}, batch["x"]) ** 2)
+
+    return dict(jax=jax, jnp=jnp, np=np, optax=optax, jamp=jamp, nnx=nnx, nn=nn, Net=Net,
+                model=model, variables=variables, params=variables["params"], x=x,
+                w=jnp.eye(4), batch={"x": x, "y": jnp.array([0, 1, 2, 0, 1, 2])},
+                loss_fn=loss_fn)
+
+
+def block_with(text):
+    found = [b for b in BLOCKS if text in b]
+    assert len(found) == 1, text
+    return found[0]
+
+
+def test_every_block_is_exercised():
+    assert len(BLOCKS) == 11
+
+
+def test_intro_block():
+    ns = namespace()
+    mlp = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
+    ns.update(model=mlp, params=jax.jit(mlp.init)(jax.random.key(2), ns["x"])["params"])
+    exec(block_with("softmax_cross_entropy_with_integer_labels"), ns)
+    assert ns["value"].dtype == F32
+    assert {g.dtype for g in jax.tree.leaves(ns["grads"])} == {F32}
+
+
+def test_torch_call_forms_block():
+    ns = namespace()
+    exec(block_with('@jamp.autocast("cpu")'), ns)
+    assert ns["forward"](ns["x"], ns["w"]).dtype == F32  # outputs back in the traced dtype
+    assert ns["loss"](ns["params"], ns["batch"]).dtype == F32
+
+
+def test_masked_softmax_block():
+    ns = namespace()
+    ns.update(q=jnp.ones((2, 4)), k=jnp.ones((2, 4)), mask=jnp.array([[1, 0], [0, 0]], bool))
+    exec(block_with("def masked_softmax"), ns)
+    np.testing.assert_allclose(ns["out"], [[1.0, 0.0], [0.5, 0.5]], atol=1e-6)
+
+
+def test_table_block():
+    ns = namespace()
+    exec(block_with('.without("cumsum")'), ns)
+    assert ns["table"].rule("logistic") == "fp32" and ns["table"].rule("cumsum") is None
+    assert ns["loss"](ns["params"], ns["batch"]).dtype == F32
+
+
+def test_primitive_names_block():
+    ns = namespace()
+    block = block_with("primitive_names(jax.nn.softmax")
+    shown = eval(block.split("# ", 1)[1])
+    assert eval(block.splitlines()[0], ns) == shown
+
+
+def test_regions_block():
+    ns = namespace()
+    ns["x"] = ns["x"][:4]  # square, as `a @ c` needs
+    exec(block_with("regions nest"), ns)
+    assert ns["f"](ns["x"], ns["w"]).dtype == F32
+    raw = jamp.autocast(ns["f"], device_type="cpu", cast_outputs=False)
+    assert raw(ns["x"], ns["w"]).dtype == BF16
+
+
+def test_linen_blocks():
+    ns = namespace()
+    exec(block_with("cast_outputs=False)(variables, x)"), ns)
+    assert ns["logits"].dtype in (BF16, F16)
+    exec(block_with('mutable=["batch_stats"]'), ns)
+    assert ns["logits"].dtype == F32
+    assert {u.dtype for u in jax.tree.leaves(ns["updates"])} == {F32}
+
+
+def test_nnx_state_block():
+    ns = namespace()
+    ns["x"] = jax.random.normal(jax.random.key(3), (16, 4)) + 1.0
+    exec(block_with("nnx.value_and_grad(jamp.autocast(loss_fn))"), ns)
+    model = ns["model"]
+    assert not np.allclose(model.bn.mean[...], 0.0)
+    assert int(model.dropout.rngs.count[...]) == 2  # value_and_grad, then forward
+    assert ns["y"].dtype == F32
+
+
+def test_nnx_functional_block():
+    ns = namespace()
+    ns["model"] = Net(nnx.Rngs(0, dropout=1))
+    exec(block_with("nnx.split(model)"), ns)
+    assert ns["y"].dtype == F32
+    assert not np.allclose(ns["new_state"]["bn"]["mean"][...], 0.0)
+
+
+def test_custom_vjp_block():
+    ns = namespace()
+    exec(block_with("fused.defvjp"), ns)
+    assert callable(ns["fused"])
