@@ -289,6 +289,16 @@ def shard_map_body(params: dict) -> ClosedJaxpr:
     return _as_closed(params["jaxpr"])
 
 
+def has_batch_dimensions(eqn: JaxprEqn) -> bool:
+    """True for a `dot_general` with batch dimensions (a batched matmul, as attention's
+    scores); convolutions have none."""
+    numbers = eqn.params.get("dimension_numbers")
+    if eqn.primitive.name != "dot_general" or numbers is None:
+        return False
+    (_, _), (lhs_batch, rhs_batch) = numbers
+    return bool(len(lhs_batch) or len(rhs_batch))
+
+
 def declares_result_types(params: dict) -> bool:
     """True for primitives whose params fix their result types, callbacks (`pure_callback`,
     `io_callback`, `debug_callback`) and FFI calls: they must see the dtypes they were traced

@@ -5,18 +5,23 @@ Variable and each module to the trace it was created in and refuses to update th
 them to `nnx.scan`/`nnx.vmap`, from any other trace. NNX's own transforms only take modules as
 arguments, and rebuild them inside (`nnx.split`/`nnx.merge`); autocast must also serve the
 modules a function closes over, and must leave the caller's objects holding the new state. So
-while the function is traced, autocast *borrows* the modules it reaches: their Variables hold
-the trace's values and they are valid in the trace; afterwards everything is put back, and the
-updated values are written into the caller's Variables at the caller's trace level.
+while the function is traced, autocast *borrows* the modules it reaches: their state holds the
+trace's values and they are valid in the trace; afterwards everything is put back, and the
+values the function left are written into the caller's objects at the caller's trace level.
 
-What is touched, all of it restored on exit: `Variable._raw_value` and `Variable._trace_state`,
-and the `_trace_state` of each module's `_pytree__state`. Supported: flax 0.12.
+State lives in *slots*: a Variable's raw value (an array, a pytree of arrays, a Python value),
+or an array attribute of a module (`nnx.data`). What is touched, all of it restored on exit:
+`Variable._raw_value` and `Variable._trace_state`, module array attributes, and the
+`_trace_state` of each module's `_pytree__state`. Objects the function creates and attaches
+(`sow`, a new `nnx.Cache`, a replaced Param) are made valid at the caller's level when their
+values are written. Supported: flax 0.12.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Sequence
+import dataclasses
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -30,67 +35,131 @@ def is_node(x: Any) -> bool:
     return isinstance(x, nnx.Variable) or _graph.is_graph_node(x)
 
 
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A place NNX state lives: a Variable's raw value (`attribute` None), or an array
+    attribute of a module."""
+
+    owner: Any
+    attribute: str | None
+    name: str
+
+    def get(self) -> Any:
+        if self.attribute is None:
+            return self.owner.get_raw_value()
+        return object.__getattribute__(self.owner, self.attribute)
+
+    def swap(self, value: Any) -> None:
+        """Sets the value without NNX's trace-level check (the owner is being borrowed)."""
+        object.__setattr__(self.owner, "_raw_value" if self.attribute is None
+                           else self.attribute, value)
+
+    def write(self, value: Any) -> None:
+        """Sets the value as user code would, so NNX refuses it where it would refuse the
+        same update without autocast (a closed-over module updated inside `jax.grad`)."""
+        if self.attribute is None:
+            self.owner.set_raw_value(value)
+        else:
+            setattr(self.owner, self.attribute, value)
+
+
+@dataclasses.dataclass
+class State:
+    """The NNX state reachable from some roots (modules, Variables)."""
+
+    roots: list
+    slots: list[Slot]
+    nodes: list   # graph nodes (modules) and Variables, whose trace state is borrowed
+
+    @classmethod
+    def of(cls, roots: Sequence[tuple[str, Any]]) -> "State":
+        slots: dict[tuple[int, str | None], Slot] = {}
+        nodes: dict[int, Any] = {}
+        for root_name, root in roots:
+            owners: dict[tuple, Any] = {}
+            arrays: list[tuple[tuple, Any]] = []
+            for path, value in nnx.iter_graph(root):
+                name = ".".join([root_name, *map(str, path)])
+                if isinstance(value, nnx.Variable):
+                    if _is_borrowable(value):
+                        nodes.setdefault(id(value), value)
+                        slots.setdefault((id(value), None), Slot(value, None, name))
+                elif _graph.is_graph_node(value) and hasattr(value, "_pytree__state"):
+                    nodes.setdefault(id(value), value)
+                    owners[tuple(path)] = value
+                elif _is_array(value) and path:
+                    arrays.append((tuple(path), name))
+            for path, name in arrays:  # an array held directly by a module: nnx.data
+                owner = owners.get(path[:-1])
+                if owner is not None and isinstance(path[-1], str):
+                    slots.setdefault((id(owner), path[-1]), Slot(owner, path[-1], name))
+        return cls([root for _, root in roots], list(slots.values()), list(nodes.values()))
+
+    def values(self) -> list:
+        return [slot.get() for slot in self.slots]
+
+    def structure(self) -> Any:
+        """A description of the roots' structure, sharing between them and modules' static
+        attributes (`deterministic`...) included; None when it cannot be hashed."""
+        if not self.roots:
+            return ()
+        graphdef = nnx.graphdef(tuple(self.roots))
+        try:
+            hash(graphdef)
+        except TypeError:
+            return None
+        return graphdef
+
+    def objects(self) -> list:
+        """The roots, modules and Variables, in a fixed order: what a returned NNX object is
+        looked up in."""
+        return list(self.roots) + list(self.nodes)
+
+
 def _is_borrowable(variable: nnx.Variable) -> bool:
-    # Variables backed by JAX refs (`hijax`) may already be updated from any trace; Variables
-    # holding Python objects rather than arrays have nothing to trace.
+    # Variables backed by JAX refs (`hijax`) may already be updated from any trace.
     metadata = variable.get_metadata()
-    if metadata.get("hijax") or metadata.get("ref"):
-        return False
-    return isinstance(variable.get_raw_value(), (jax.Array, np.ndarray))
-
-
-def reachable(roots: Iterable[tuple[str, Any]]) -> tuple[list, list, list[str]]:
-    """The array Variables and the other graph nodes reachable from the named `roots`, each
-    once, in NNX's traversal order; and a name for each Variable (`model.bn.mean`)."""
-    variables: dict[int, nnx.Variable] = {}
-    names: dict[int, str] = {}
-    nodes: dict[int, Any] = {}
-    for root_name, root in roots:
-        for path, value in nnx.iter_graph(root):
-            if isinstance(value, nnx.Variable):
-                if _is_borrowable(value) and id(value) not in variables:
-                    variables[id(value)] = value
-                    names[id(value)] = ".".join([root_name, *map(str, path)])
-            elif _graph.is_graph_node(value) and hasattr(value, "_pytree__state"):
-                nodes.setdefault(id(value), value)
-    return list(variables.values()), list(nodes.values()), list(names.values())
-
-
-def structure(root: Any) -> Any:
-    """A hashable description of a node's structure: its graphdef (modules' static attributes
-    such as `deterministic` included), or a Variable's type."""
-    if isinstance(root, nnx.Variable):
-        return type(root)
-    return nnx.graphdef(root)
-
-
-def value(variable: nnx.Variable) -> Any:
-    return variable.get_raw_value()
+    return not (metadata.get("hijax") or metadata.get("ref"))
 
 
 @contextlib.contextmanager
-def borrowed(variables: Sequence[nnx.Variable], values: Sequence[Any],
-             nodes: Sequence[Any]) -> Iterator[None]:
-    """Within the block, `variables` hold `values` and every variable and node is valid in the
+def borrowed(state: State, values: Sequence[Any]) -> Iterator[None]:
+    """Within the block the state's slots hold `values` and its objects are valid in the
     current trace; on exit both are restored."""
-    saved_values = [v.get_raw_value() for v in variables]
-    saved_traces = [v._trace_state for v in variables]
-    saved_node_traces = [n._pytree__state._trace_state for n in nodes]
+    saved = state.values()
+    saved_traces = [_trace_state(node) for node in state.nodes]
     try:
-        for variable, new in zip(variables, values):
-            object.__setattr__(variable, "_raw_value", new)
-            object.__setattr__(variable, "_trace_state", _tracers.TraceState())
-        for node in nodes:
-            object.__setattr__(node._pytree__state, "_trace_state", _tracers.TraceState())
+        for slot, value in zip(state.slots, values):
+            slot.swap(value)
+        for node in state.nodes:
+            _set_trace_state(node, _tracers.TraceState())
         yield
     finally:
-        for variable, old, trace in zip(variables, saved_values, saved_traces):
-            object.__setattr__(variable, "_raw_value", old)
-            object.__setattr__(variable, "_trace_state", trace)
-        for node, trace in zip(nodes, saved_node_traces):
-            object.__setattr__(node._pytree__state, "_trace_state", trace)
+        for slot, value in zip(state.slots, saved):
+            slot.swap(value)
+        for node, trace in zip(state.nodes, saved_traces):
+            _set_trace_state(node, trace)
 
 
-def write_back(variable: nnx.Variable, new: Any) -> None:
-    """Sets a Variable's value at the caller's trace level (NNX checks that it may)."""
-    variable.set_raw_value(new)
+def adopt(nodes: Sequence[Any]) -> None:
+    """Makes objects created during the trace (and attached to the caller's modules) valid
+    at the current trace level, as if the caller had created them."""
+    for node in nodes:
+        _set_trace_state(node, _tracers.TraceState())
+
+
+def _trace_state(node):
+    if isinstance(node, nnx.Variable):
+        return node._trace_state
+    return node._pytree__state._trace_state
+
+
+def _set_trace_state(node, trace) -> None:
+    if isinstance(node, nnx.Variable):
+        object.__setattr__(node, "_trace_state", trace)
+    else:
+        object.__setattr__(node._pytree__state, "_trace_state", trace)

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
-import inspect
-import weakref
 from typing import Any, Callable
 
 import jax
-import numpy as np
-from jax.extend import core as jex_core
 
 from jamp.policy.autocast_tables import OpTable, autocast_table, canonical_device_type
-from jamp.transforms import _jax_internals as jx
-from jamp.transforms import _nnx_internals as nnx_state
 from jamp.transforms import autocast_rules as rules
-from jamp.transforms import boundary, interpreter
+from jamp.transforms import boundary, programs
 
 
 def autocast(
     fn: Callable | str | None = None,
-    *,
+    *torch_args: Any,
     device_type: str | None = None,
     dtype: Any = None,
     enabled: bool = True,
@@ -49,11 +41,15 @@ def autocast(
     the dtypes the program was written in, float32 for a float32 program) or in another dtype.
     Regions nest. A region outside any transformed function does nothing.
 
-    torch's call form works too: a device type string first, `jamp.autocast("cuda",
-    dtype=jnp.float16)`, as a region, a decorator or applied to a function.
+    torch's call form works too: a device type string first, then torch's positional
+    `dtype, enabled, cache_enabled` (`jamp.autocast("cuda", jnp.float16)` or
+    `jamp.autocast("cuda", dtype=jnp.float16)`), as a region, a decorator or applied to a
+    function.
 
     Args:
       fn: the function to transform, or torch's positional device type.
+      *torch_args: after a device type only: torch's positional dtype, enabled,
+        cache_enabled.
       device_type: "cuda"/"gpu", "cpu" or "tpu"; default: `jax.default_backend()`.
       dtype: the low dtype; default float16 on cuda/gpu, bfloat16 on cpu and tpu. float16 on
         the CPU works: XLA emulates it.
@@ -75,13 +71,21 @@ def autocast(
       >>> loss = jamp.autocast(loss_fn, dtype=jnp.bfloat16)
       >>> grads = jax.jit(jax.grad(loss))(params, batch)
     """
-    if isinstance(fn, str):  # torch.autocast("cuda", ...)
+    if isinstance(fn, str):  # torch.autocast("cuda", torch.float16, ...)
         if device_type is not None:
             raise TypeError(
                 f"jamp.autocast got the device type twice: {fn!r} as its first argument and "
                 f"device_type={device_type!r}.")
         fn, device_type = None, fn
-    elif fn is not None and not callable(fn):
+        dtype, enabled, cache_enabled = _torch_positional(
+            torch_args, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    elif torch_args:
+        raise TypeError(
+            f"jamp.autocast takes its options by keyword after a function; got "
+            f"{len(torch_args)} more positional argument(s) {torch_args!r}. Only torch's "
+            "form, with a device type string first, takes dtype, enabled and cache_enabled "
+            "by position.")
+    if fn is not None and not callable(fn):
         raise TypeError(
             f"jamp.autocast's first argument must be a function to transform or a device type "
             f"string such as 'cuda' (torch's form); got {fn!r} of type {type(fn).__name__}.")
@@ -89,6 +93,22 @@ def autocast(
                             cache_enabled=cache_enabled, op_table=op_table,
                             cast_outputs=cast_outputs)
     return region if fn is None else region(fn)
+
+
+def _torch_positional(args: tuple, **keywords) -> tuple:
+    """torch.autocast(device_type, dtype=None, enabled=True, cache_enabled=None): the options
+    given by position, refusing one given both ways or too many."""
+    names = ("dtype", "enabled", "cache_enabled")
+    if len(args) > len(names):
+        raise TypeError(f"torch.autocast's form takes at most {len(names)} positional options "
+                        f"after the device type ({', '.join(names)}); got {args!r}.")
+    defaults = {"dtype": None, "enabled": True, "cache_enabled": None}
+    for name, value in zip(names, args):
+        if keywords[name] is not defaults[name]:
+            raise TypeError(f"jamp.autocast got {name} twice: {value!r} by position and "
+                            f"{keywords[name]!r} by keyword.")
+        keywords[name] = value
+    return tuple(keywords[name] for name in names)
 
 
 class AutocastRegion:
@@ -155,183 +175,15 @@ class AutocastRegion:
         @functools.wraps(fn)
         def transformed(*args, **kwargs):
             call = boundary.Call.of(fn, args, kwargs)
-            cache = _program_cache(fn)
-            key = (settings, call.key)
-            program = cache.get(key)
-            if program is None:
-                program = _Program.build(fn, call, region, self.cache_enabled,
-                                         self.cast_outputs)
+            cache = programs.cache_for(fn)
+            key = None if call.key is None else (settings, call.key)
+            program = cache.get(key) if key is not None else None
+            if program is None or not program.valid_for(call):
+                program = programs.Program.build(fn, call, region, self.cache_enabled,
+                                                 self.cast_outputs)
                 if program.cacheable:
                     cache.put(key, program)
             with jax.named_scope(self.scope_name):
                 return program.run(call)
 
         return transformed
-
-
-@dataclasses.dataclass
-class _Program:
-    """A traced and transformed call: what a repeated call with the same key runs.
-
-    Attributes:
-      jaxpr: the transformed program. Inputs: the call's traced arrays, its NNX variables'
-        values, then the closed-over arrays it reads (`lifted`). Outputs: the array outputs,
-        then the new values of the variables the function updated (`updated`).
-      lifted: indices into the call's closure arrays.
-      updated: indices into the call's variables.
-      out_tree / statics: the output structure, and the outputs that are not arrays (returned
-        as the function returned them when it was traced).
-      num_outputs: how many array outputs there are.
-      cacheable: False when the program holds values a later call cannot supply afresh:
-        tracers of an enclosing transform, or arrays reached through objects the closure walk
-        does not enter. Such a call is traced again each time.
-    """
-
-    jaxpr: Any
-    lifted: tuple
-    updated: tuple
-    out_tree: Any
-    statics: dict
-    num_outputs: int
-    cacheable: bool
-    compiled: Callable
-
-    @classmethod
-    def build(cls, fn, call: boundary.Call, region, cache_enabled, cast_outputs) -> "_Program":
-        traced = _trace_user_function(fn, call)
-        user = traced["jaxpr"]
-        lifted, slots, cacheable = _lift_closure_arrays(user, call, traced["live"])
-        num_outputs, num_in = traced["num_outputs"], len(user.in_avals)
-
-        def program(*inputs):
-            consts = list(user.consts)
-            for slot, value in zip(slots, inputs[num_in:]):
-                consts[slot] = value
-            ctx = interpreter.Context(cache_enabled=cache_enabled)
-            outs = interpreter.eval_jaxpr(user, inputs[:num_in], region, ctx, consts=consts)
-            outputs, updates = outs[:num_outputs], outs[num_outputs:]
-            if cast_outputs:
-                outputs = interpreter.cast_to_avals(outputs, user.out_avals[:num_outputs])
-            # NNX state keeps its dtype whatever cast_outputs says.
-            return outputs + interpreter.cast_to_avals(updates, user.out_avals[num_outputs:])
-
-        avals = list(user.in_avals) + [jx.typeof(call.closure.arrays[k]) for k in lifted]
-        jaxpr = jx.trace_closed(program, avals)
-        cacheable = cacheable and not any(jx.is_tracer(c) for c in jaxpr.consts)
-        return cls(jaxpr, lifted, traced["updated"], traced["out_tree"], traced["statics"],
-                   num_outputs, cacheable,
-                   jax.jit(jex_core.jaxpr_as_fun(jaxpr)))
-
-    def run(self, call: boundary.Call):
-        inputs = call.inputs + [call.closure.arrays[k] for k in self.lifted]
-        if any(map(jx.is_tracer, inputs)) or not self.cacheable:
-            outs = jex_core.jaxpr_as_fun(self.jaxpr)(*inputs)
-        else:
-            # An eager call: run the cached program compiled, as jax.jit runs its cache.
-            outs = self.compiled(*inputs)
-        outs = list(outs)
-        for index, value in zip(self.updated, outs[self.num_outputs:]):
-            nnx_state.write_back(call.variables[index], value)
-        arrays = iter(outs[:self.num_outputs])
-        leaves = [self.statics[i] if i in self.statics else next(arrays)
-                  for i in range(self.out_tree.num_leaves)]
-        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
-
-
-def _trace_user_function(fn, call: boundary.Call) -> dict:
-    """Traces `fn` on the call's traced inputs, its NNX state borrowed; returns the jaxpr and
-    what the trace saw (output structure, static outputs, updated variables, live arrays)."""
-    found: dict = {}
-    num_arrays = len(call.traced)
-
-    def flat_fn(*flat):
-        args, kwargs = call.arguments(flat[:num_arrays])
-        values = flat[num_arrays:]
-        with nnx_state.borrowed(call.variables, values, call.nodes):
-            result = fn(*args, **kwargs)
-            finals = [nnx_state.value(v) for v in call.variables]
-        updated = tuple(i for i, (new, old) in enumerate(zip(finals, values)) if new is not old)
-        leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=call.is_borrowed)
-        arrays = [i for i, x in enumerate(leaves) if _is_output_array(x)]
-        found.update(out_tree=out_tree, updated=updated, num_outputs=len(arrays),
-                     statics={i: x for i, x in enumerate(leaves) if i not in set(arrays)})
-        return [leaves[i] for i in arrays] + [finals[i] for i in updated]
-
-    jx.with_debug_info(flat_fn, fn, boundary.arg_names(fn, call))
-    live = jax.live_arrays()  # held while tracing, so that their ids stay theirs
-    found["jaxpr"] = jx.trace_closed(flat_fn, [jx.typeof(x) for x in call.inputs])
-    found["live"] = {id(a) for a in live}
-    return found
-
-
-def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, tuple, bool]:
-    """Which consts of the traced program are closed-over arrays the call can pass afresh.
-
-    Returns (indices into the closure's arrays, the const slots they fill, cacheable): a const
-    that existed before the trace but was not found in the closure (an array reached through
-    an object's attributes) or that is a tracer cannot be passed afresh, so the program is not
-    cached.
-    """
-    found = {id(a): k for k, a in enumerate(call.closure.arrays)}
-    lifted, slots, cacheable = [], [], True
-    for slot, const in enumerate(user.consts):
-        k = found.get(id(const))
-        if k is not None:
-            lifted.append(k)
-            slots.append(slot)
-        elif jx.is_tracer(const) or id(const) in live:
-            cacheable = False
-    return tuple(lifted), tuple(slots), cacheable
-
-
-def _is_output_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-class _LRU:
-    """A small least-recently-used map of programs."""
-
-    def __init__(self, size: int = 32):
-        self.size = size
-        self.items: collections.OrderedDict = collections.OrderedDict()
-
-    def get(self, key):
-        try:
-            self.items.move_to_end(key)
-        except KeyError:
-            return None
-        return self.items[key]
-
-    def put(self, key, value) -> None:
-        self.items[key] = value
-        self.items.move_to_end(key)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
-
-
-# Programs are cached per user function (a weak reference: the cache goes with the function),
-# so that `jamp.autocast(loss)` built again each step still finds them, as `jax.jit(loss)` does.
-_PROGRAMS: "weakref.WeakKeyDictionary[Any, _LRU]" = weakref.WeakKeyDictionary()
-
-
-def _program_cache(fn) -> _LRU:
-    owner = _cache_owner(fn)
-    try:
-        cache = _PROGRAMS.get(owner)
-        if cache is None:
-            cache = _PROGRAMS[owner] = _LRU()
-        return cache
-    except TypeError:  # not weakly referenceable: a cache of its own for this call
-        return _LRU()
-
-
-def _cache_owner(fn):
-    """The function whose code a call runs: bound methods, partials and callable objects
-    share their function's cache (their object and arguments are part of the key)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if inspect.ismethod(fn):
-        return fn.__func__
-    if not inspect.isfunction(fn) and inspect.isfunction(getattr(type(fn), "__call__", None)):
-        return type(fn).__call__
-    return fn

@@ -11,7 +11,8 @@ elementwise, structural and reduction ops that produce its operands, up to the v
 starts from: a value that other ops also use at full size (an activation, the residual stream)
 stays as it is and is cast to float32 where the chain reads it, so only the kernel's inside
 changes. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
-computed in float32 for every use.
+computed in float32 for every use. A nested `jit` (or custom_jvp, remat) on the chain takes
+float32 inputs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import jax.numpy as jnp
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms.autocast_rules import CHAIN, Region, is_castable
+
+# Calls whose bodies compute in their inputs' dtypes: a chain runs through them (jnp.clip,
+# jnp.where and many other jnp functions are nested jits). Given float32 inputs, their
+# elementwise ops run in float32; their matmuls still lower.
+CALLS = frozenset({"jit", "pjit", "closed_call", "custom_jvp_call", "checkpoint", "remat2",
+                   "remat"})
 
 # Reductions that shrink their operand (cross-device reductions keep its shape).
 _SHRINKING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
@@ -56,7 +63,7 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
         name = eqn.primitive.name
         rule = region.table.rule(name)
         seed = rule == FP32
-        feeds = (name in CHAIN and rule in (None, ACCUMULATE_FP32)
+        feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32)
                  and any(demanded(v) for v in eqn.outvars))
         if not (seed or feeds):
             continue

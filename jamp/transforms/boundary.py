@@ -1,21 +1,21 @@
-"""The boundary of an autocast function: what one call passes in and gets back.
+"""The boundary of an autocast function: what one call reads, and what the traced program
+depends on.
 
 A call is taken apart into
 - traced arrays: the array leaves of the arguments (any pytree of jax or numpy arrays);
-- static leaves: every other leaf of the arguments (Python numbers, strings, flags), passed to
-  the function as they are;
-- NNX state: the array Variables of the NNX modules among the arguments and in the function's
-  closure, borrowed while the function is traced (`_nnx_internals`) so that its updates
-  (BatchNorm statistics, Dropout's RNG counts) come back out and are written into the caller's
-  modules;
-- the closure: what the function reads from outside its arguments (closure cells, the globals
-  it names, defaults, `functools.partial` arguments, a bound method's object), found by
-  walking Python's function objects. Arrays found there become inputs of the transformed
-  program, read afresh on every call; Python scalars, strings and object identities are part
-  of the cache key, as static arguments are for `jax.jit`.
+- everything else the function can read: the other leaves of its arguments, and what it reaches
+  from outside them (closure cells, the globals it names, defaults, `functools.partial`
+  arguments, a bound method's object, the attributes of objects defined in user code, the
+  closures of user functions these lead to, a few levels deep). This walk finds
+  - NNX modules and Variables: their state (`_nnx_internals.State`) is traced too, borrowed
+    while the function runs, and the values it leaves are written back;
+  - jax arrays: those the traced program uses become its inputs, read afresh on every call;
+  - Python scalars and strings, keyed by value, numpy arrays and other objects, by identity,
+    as `jax.jit` keys static arguments.
 
-`Call.key` says everything the traced program depends on, so that `autocast` can serve a
-repeated call from its cache without tracing the function again.
+`Call.key` says everything a traced program depends on, so that `autocast` can serve a repeated
+call from its cache without tracing the function again. What the key cannot say (which arrays the
+program read as Python values, the contents of numpy arrays) the program checks with `guards`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import functools
 import inspect
 import sys
 import types
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -33,12 +33,14 @@ import numpy as np
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
 
-# Functions of these packages are not user code: their closures are not walked.
+# Objects of these packages are not user code: their attributes and closures are not walked.
 _LIBRARIES = frozenset({"jax", "jaxlib", "flax", "optax", "chex", "numpy", "jamp", "scipy",
                         "ml_dtypes", "equinox", "torch", "functools", "typing"}) | frozenset(
     getattr(sys, "stdlib_module_names", ()))
-_MAX_DEPTH = 4  # nested user functions followed from the transformed one
+_MAX_DEPTH = 4  # functions and objects followed from the transformed function
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+# numpy arrays up to this size are also compared by content on every call.
+NUMPY_CONTENT_CHECK = 1 << 16
 
 
 def is_array(x) -> bool:
@@ -46,8 +48,96 @@ def is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def is_immutable(x) -> bool:
+    """Values a program can hand out again on every call: scalars, strings, None."""
+    return isinstance(x, _SCALARS)
+
+
+@dataclasses.dataclass
+class Reach:
+    """What a call can read besides its traced arrays.
+
+    Attributes:
+      arrays: jax arrays (or tracers of an enclosing transform) found, each once.
+      numpy: numpy arrays found, each once.
+      roots: NNX modules and Variables found, each once, with the name they were found under.
+      key: how the rest was found: scalars by value, objects by identity, and where each
+        array and root sits (so that two names bound to one array are told from two arrays).
+      keep: the objects keyed by identity, held so that their ids stay theirs.
+    """
+
+    arrays: list = dataclasses.field(default_factory=list)
+    numpy: list = dataclasses.field(default_factory=list)
+    roots: list = dataclasses.field(default_factory=list)
+    key: list = dataclasses.field(default_factory=list)
+    keep: list = dataclasses.field(default_factory=list)
+    _index: dict = dataclasses.field(default_factory=dict)
+    _seen: set = dataclasses.field(default_factory=set)
+
+    def visit(self, name: str, value: Any, depth: int = 0, in_object: bool = False) -> None:
+        """Records `value` (found under `name`) and what it leads to.
+
+        Inside an object's attributes (`in_object`) only arrays and NNX objects are recorded:
+        an object's Python values are read when the function is traced, as `jax.jit` reads a
+        static argument's, so that a counter kept on an object does not trace the function
+        again at every step.
+        """
+        if isinstance(value, (types.ModuleType, type)):
+            if not in_object:
+                self.key.append(("object", value))
+        elif nnx_state.is_node(value):
+            self.key.append(("nnx", self._add(self.roots, value, (name, value))))
+        elif isinstance(value, jax.Array):
+            self.key.append(("array", self._add(self.arrays, value)))
+        elif isinstance(value, np.ndarray):
+            self.key.append(("numpy", self._add(self.numpy, value)))
+        elif is_immutable(value):
+            if not in_object:
+                self.key.append(_static_key(value))
+        elif _is_function_like(value):
+            if not in_object:
+                self.key.append(("function", _code_of(value)))
+                self.visit_function(name, value, depth + 1)
+        else:
+            leaves, tree = jax.tree_util.tree_flatten(value, is_leaf=nnx_state.is_node)
+            if len(leaves) == 1 and leaves[0] is value:
+                self.visit_object(name, value, depth, in_object)
+            else:
+                self.key.append(("tree", tree))
+                for i, leaf in enumerate(leaves):
+                    self.visit(f"{name}[{i}]", leaf, depth, in_object)
+
+    def visit_function(self, name: str, fn: Callable, depth: int) -> None:
+        """Walks what a function reads from outside its arguments."""
+        if id(fn) in self._seen or depth > _MAX_DEPTH:
+            return
+        self._seen.add(id(fn))
+        for sub_name, value in _function_reach(fn):
+            self.visit(f"{name}.{sub_name}" if name else sub_name, value, depth)
+
+    def visit_object(self, name: str, obj: Any, depth: int, in_object: bool = False) -> None:
+        # An object: keyed by identity; one of user code is walked into for the arrays and
+        # NNX modules it holds (what its methods read), one of a library is not.
+        if not in_object:
+            self.key.append(("id", id(obj)))
+            self.keep.append(obj)
+        if id(obj) in self._seen or depth >= _MAX_DEPTH or _is_library(type(obj)):
+            return
+        self._seen.add(id(obj))
+        for attr, value in sorted(getattr(obj, "__dict__", {}).items()):
+            self.visit(f"{name}.{attr}", value, depth + 1, in_object=True)
+
+    def _add(self, items: list, value: Any, entry: Any = None) -> int:
+        # The index of `value` among `items`, adding it once.
+        key = (id(items), id(value))
+        if key not in self._index:
+            self._index[key] = len(items)
+            items.append(value if entry is None else entry)
+        return self._index[key]
+
+
 def _static_key(x) -> Any:
-    # Hashable values by value (with their type: 1 == 1.0 == True), others by identity.
+    # By value, with the type: 1 == 1.0 == True must not share a program.
     try:
         hash(x)
     except TypeError:
@@ -55,124 +145,68 @@ def _static_key(x) -> Any:
     return (type(x), x)
 
 
-@dataclasses.dataclass
-class Closure:
-    """What a function reads from outside its arguments.
-
-    Attributes:
-      arrays: jax arrays (or tracers of an enclosing transform) found in it.
-      nodes: NNX modules and Variables found in it, with the name they were found under.
-      key: everything else that was found: scalars by value, objects by identity.
-      keep: the objects keyed by identity, held so that their ids stay theirs.
-    """
-
-    arrays: list = dataclasses.field(default_factory=list)
-    nodes: list = dataclasses.field(default_factory=list)
-    key: list = dataclasses.field(default_factory=list)
-    keep: list = dataclasses.field(default_factory=list)
+def _is_function_like(x) -> bool:
+    return (inspect.isfunction(x) or inspect.ismethod(x) or isinstance(x, functools.partial)
+            or hasattr(x, "__wrapped__"))
 
 
-def closure_of(fn: Callable) -> Closure:
-    """Walks `fn`'s closure, globals, defaults and bound objects (user functions it reaches
-    too, a few levels deep)."""
-    found = Closure()
-    seen: set[int] = set()
-    for name, value, depth in _roots(fn, 0, seen):
-        _visit(found, name, value, depth, seen)
-    return found
+def _code_of(fn) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__code__", None) or id(fn)
 
 
-def _roots(fn, depth: int, seen: set) -> Iterator[tuple[str, Any, int]]:
-    if id(fn) in seen or depth > _MAX_DEPTH:
-        return
-    seen.add(id(fn))
+def _function_reach(fn) -> list[tuple[str, Any]]:
+    """(name, value) for what a callable reads besides its arguments."""
+    found = []
     if isinstance(fn, functools.partial):
-        for i, value in enumerate(fn.args):
-            yield f"partial.args[{i}]", value, depth
-        for key, value in fn.keywords.items():
-            yield f"partial.{key}", value, depth
-        yield from _roots(fn.func, depth, seen)
-        return
+        found += [(f"partial.args[{i}]", v) for i, v in enumerate(fn.args)]
+        found += [(f"partial.{k}", v) for k, v in fn.keywords.items()]
+        return found + [("partial.func", fn.func)]
     if inspect.ismethod(fn):
-        yield "self", fn.__self__, depth
-        fn = fn.__func__
-    elif not inspect.isfunction(fn):
-        # A callable object (an NNX module, a class with __call__): the object and its method.
-        yield "self", fn, depth
-        call = getattr(type(fn), "__call__", None)
-        if inspect.isfunction(call):
-            yield from _roots(call, depth, seen)
-        return
+        return [("self", fn.__self__), ("function", fn.__func__)]
+    if not inspect.isfunction(fn):
+        wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps, jax.vmap, ...
+        if wrapped is not None:
+            found.append(("wrapped", wrapped))
+        for attr in ("fun", "fwd", "bwd", "jvp"):  # jax.custom_jvp / custom_vjp objects
+            value = getattr(fn, attr, None)
+            if inspect.isfunction(value):
+                found.append((attr, value))
+        if not found:  # a callable object: the object and its __call__
+            found.append(("self", fn))
+            call = getattr(type(fn), "__call__", None)
+            if inspect.isfunction(call):
+                found.append(("__call__", call))
+        return found
     if _is_library(fn):
-        return
+        return found
+    if hasattr(fn, "__wrapped__"):
+        found.append(("wrapped", fn.__wrapped__))
     code = fn.__code__
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
-            yield name, cell.cell_contents, depth
+            found.append((name, cell.cell_contents))
         except ValueError:  # an empty cell: a name not bound yet
             continue
-    for name in _global_names(code):
-        if name in fn.__globals__:
-            yield name, fn.__globals__[name], depth
-    for i, value in enumerate(fn.__defaults__ or ()):
-        yield f"defaults[{i}]", value, depth
-    for key, value in (fn.__kwdefaults__ or {}).items():
-        yield key, value, depth
+    names = dict.fromkeys(_global_names(code))
+    found += [(name, fn.__globals__[name]) for name in names if name in fn.__globals__]
+    found += [(f"defaults[{i}]", v) for i, v in enumerate(fn.__defaults__ or ())]
+    found += list((fn.__kwdefaults__ or {}).items())
+    return found
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
+def _global_names(code: types.CodeType):
     yield from code.co_names
     for const in code.co_consts:  # lambdas, comprehensions and nested functions inside
         if isinstance(const, types.CodeType):
             yield from _global_names(const)
 
 
-def _is_library(fn) -> bool:
-    module = getattr(fn, "__module__", None) or ""
+def _is_library(obj) -> bool:
+    module = getattr(obj, "__module__", None) or ""
     return module.partition(".")[0] in _LIBRARIES
-
-
-def _visit(found: Closure, name: str, value: Any, depth: int, seen: set) -> None:
-    if isinstance(value, (types.ModuleType, type)):
-        return
-    if nnx_state.is_node(value):
-        found.nodes.append((name, value))
-        found.key.append(("nnx", len(found.nodes)))
-    elif isinstance(value, jax.Array):
-        found.arrays.append(value)
-        found.key.append(("array", len(found.arrays)))
-    elif isinstance(value, _SCALARS):
-        found.key.append(_static_key(value))
-    elif isinstance(value, np.ndarray):
-        found.key.append(("numpy", id(value)))
-        found.keep.append(value)
-    elif callable(value) and (inspect.isfunction(value) or inspect.ismethod(value)
-                              or isinstance(value, functools.partial)):
-        if inspect.ismethod(value) and not _is_library(value):
-            _visit_attributes(found, name, value.__self__, depth, seen)
-        for sub_name, sub, sub_depth in _roots(value, depth + 1, seen):
-            _visit(found, f"{name}.{sub_name}", sub, sub_depth, seen)
-    else:
-        leaves, tree = jax.tree_util.tree_flatten(value, is_leaf=nnx_state.is_node)
-        if len(leaves) == 1 and leaves[0] is value:
-            # Not a container: an object, keyed by identity (its attributes are not read).
-            found.key.append(("id", id(value)))
-            found.keep.append(value)
-            if depth == 0 and name == "self":
-                _visit_attributes(found, name, value, depth, seen)
-            return
-        found.key.append(("tree", tree))
-        for i, leaf in enumerate(leaves):
-            _visit(found, f"{name}[{i}]", leaf, depth, seen)
-
-
-def _visit_attributes(found: Closure, name: str, obj: Any, depth: int, seen: set) -> None:
-    # A bound method's object: what its method reads from `self`.
-    if id(obj) in seen or nnx_state.is_node(obj):
-        return
-    seen.add(id(obj))
-    for attr, value in sorted(getattr(obj, "__dict__", {}).items()):
-        _visit(found, f"{name}.{attr}", value, depth + 1, seen)
 
 
 @dataclasses.dataclass
@@ -182,45 +216,60 @@ class Call:
     Attributes:
       leaves / in_tree: the arguments' leaves, NNX objects kept whole.
       traced: indices of the array leaves.
-      closure: what the function reads from outside its arguments.
-      variables / nodes: the NNX state borrowed while tracing (from the arguments' and the
-        closure's NNX objects).
-      variable_names: a name for each variable, for error messages.
-      key: what the traced program depends on (hashable).
+      reach: what the call can read besides them.
+      state: the NNX state of the modules it reaches.
+      state_leaves / state_tree: the state's values, flattened; `state_traced` indexes their
+        array leaves (traced), the others are Python values (part of the key).
+      names: a name for each traced input, for error messages.
+      key: what a traced program depends on (hashable), or None when something it depends on
+        cannot be told apart from call to call (the program is then traced every time).
     """
 
     leaves: list
     in_tree: Any
     traced: list[int]
-    closure: Closure
-    variables: list
-    nodes: list
-    variable_names: list[str]
-    key: tuple
+    reach: Reach
+    state: nnx_state.State
+    state_leaves: list
+    state_tree: Any
+    state_traced: list[int]
+    names: tuple[str, ...]
+    key: tuple | None
 
     @classmethod
     def of(cls, fn: Callable, args: tuple, kwargs: dict) -> "Call":
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=nnx_state.is_node)
         traced = [i for i, x in enumerate(leaves) if is_array(x)]
-        closure = closure_of(fn)
-        roots = [(f"args{_leaf_path(in_tree, i)}", x) for i, x in enumerate(leaves)
-                 if nnx_state.is_node(x)] + closure.nodes
-        variables, nodes, names = nnx_state.reachable(roots)
-        static = tuple(("array",) if i in set(traced) else _static_key(x)
-                       for i, x in enumerate(leaves) if not nnx_state.is_node(x))
-        key = (in_tree, static,
+        leaf_names = argument_names(fn, in_tree)
+        reach = Reach()
+        for i, leaf in enumerate(leaves):
+            if i not in set(traced):
+                reach.visit(leaf_names[i], leaf)
+        reach.visit_function("", fn, 0)
+        state = nnx_state.State.of(reach.roots)
+        state_leaves, state_tree = jax.tree_util.tree_flatten(state.values())
+        state_traced = [i for i, x in enumerate(state_leaves) if is_array(x)]
+        names = tuple(leaf_names[i] for i in traced) + _state_names(state, state_leaves)
+        structure = state.structure()
+        key = (in_tree, tuple(reach.key), state_tree, structure,
                tuple(_aval_key(leaves[i]) for i in traced),
-               tuple(nnx_state.structure(root) for _, root in roots),
-               tuple(_aval_key(nnx_state.value(v)) for v in variables),
-               tuple(closure.key), tuple(_aval_key(a) for a in closure.arrays),
+               tuple(_aval_key(state_leaves[i]) if i in set(state_traced)
+                     else _static_key(x) for i, x in enumerate(state_leaves)),
+               tuple(_aval_key(a) for a in reach.arrays),
+               tuple((a.shape, a.dtype) for a in reach.numpy),
                jx.trace_context())
-        return cls(leaves, in_tree, traced, closure, variables, nodes, names, key)
+        try:
+            hash(key)
+        except TypeError:  # a module's static attribute that cannot be hashed
+            key = None
+        return cls(leaves, in_tree, traced, reach, state, state_leaves, state_tree,
+                   state_traced, names, key)
 
     @property
     def inputs(self) -> list:
-        """The traced arrays, then the NNX variables' values."""
+        """The traced arrays, then the array leaves of the NNX state."""
         return ([self.leaves[i] for i in self.traced]
-                + [nnx_state.value(v) for v in self.variables])
+                + [self.state_leaves[i] for i in self.state_traced])
 
     def arguments(self, arrays: Sequence[Any]) -> tuple[tuple, dict]:
         """The call's (args, kwargs) with the traced arrays replaced by `arrays`."""
@@ -229,11 +278,36 @@ class Call:
             full[i] = a
         return jax.tree_util.tree_unflatten(self.in_tree, full)
 
-    def is_borrowed(self, x) -> bool:
-        """True for the NNX objects of the arguments and the closure (returned as they are)."""
-        return nnx_state.is_node(x) and (
-            any(x is leaf for leaf in self.leaves)
-            or any(x is node for _, node in self.closure.nodes))
+    def slot_sources(self, index: int) -> list:
+        """Where each leaf of the NNX slot `index` comes from when nothing changed it: the
+        call's traced inputs, or its Python value."""
+        start = sum(self._slot_sizes[:index])
+        sources = []
+        for position in range(start, start + self._slot_sizes[index]):
+            leaf = self.state_leaves[position]
+            sources.append(("in", len(self.traced) + self.state_traced.index(position))
+                           if is_array(leaf) else ("value", leaf))
+        return sources
+
+    @functools.cached_property
+    def _slot_sizes(self) -> list[int]:
+        return [len(jax.tree_util.tree_leaves(v)) for v in self.state.values()]
+
+    def state_values(self, arrays: Sequence[Any]) -> list:
+        """The NNX state's values with its array leaves replaced by `arrays`."""
+        full = list(self.state_leaves)
+        for i, a in zip(self.state_traced, arrays):
+            full[i] = a
+        return jax.tree_util.tree_unflatten(self.state_tree, full)
+
+
+def _state_names(state: nnx_state.State, leaves: list) -> tuple[str, ...]:
+    names = []
+    for slot in state.slots:
+        value_leaves = jax.tree_util.tree_leaves(slot.get())
+        names += [slot.name if len(value_leaves) == 1 else f"{slot.name}[{j}]"
+                  for j, leaf in enumerate(value_leaves) if is_array(leaf)]
+    return tuple(names)
 
 
 def _aval_key(x) -> tuple:
@@ -242,15 +316,9 @@ def _aval_key(x) -> tuple:
             getattr(aval, "sharding", None), getattr(aval, "manual_axis_type", None))
 
 
-def _leaf_path(in_tree, index: int) -> str:
-    paths = jax.tree_util.tree_flatten_with_path(
-        jax.tree_util.tree_unflatten(in_tree, list(range(in_tree.num_leaves))))[0]
-    return jax.tree_util.keystr(paths[index][0])
-
-
-def arg_names(fn: Callable, call: Call) -> tuple[str, ...]:
-    """Names of the traced inputs as `jax.jit` writes them (`params['w']`, `batch['x']`), then
-    of the NNX variables: what errors raised while tracing point at."""
+def argument_names(fn: Callable, in_tree) -> list[str]:
+    """A name for each leaf of a call's `(args, kwargs)`, as `jax.jit` writes them in errors:
+    `params['w']`, `batch['x']`, `args[2]` for `*args`, `kw['d']` for `**kw`."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -258,17 +326,17 @@ def arg_names(fn: Callable, call: Call) -> tuple[str, ...]:
     positional = [p.name for p in parameters
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = next((p.name for p in parameters if p.kind == p.VAR_POSITIONAL), "args")
-    example = jax.tree_util.tree_unflatten(call.in_tree, list(range(len(call.leaves))))
-    paths = {leaf: path for path, leaf in jax.tree_util.tree_flatten_with_path(example)[0]}
-    names = []
-    for i in call.traced:
-        (where, *rest) = paths[i]
-        first, *inner = rest
-        inner_text = jax.tree_util.keystr(tuple(inner))
+    named = {p.name for p in parameters if p.kind != p.VAR_KEYWORD}
+    varkw = next((p.name for p in parameters if p.kind == p.VAR_KEYWORD), None)
+    example = jax.tree_util.tree_unflatten(in_tree, list(range(in_tree.num_leaves)))
+    names = [""] * in_tree.num_leaves
+    for path, leaf in jax.tree_util.tree_flatten_with_path(example)[0]:
+        where, first, *inner = path
+        rest = jax.tree_util.keystr(tuple(inner))
         if where.idx == 0:  # positional
             k = first.idx
-            names.append((positional[k] if k < len(positional)
-                          else f"{varargs}[{k - len(positional)}]") + inner_text)
+            head = positional[k] if k < len(positional) else f"{varargs}[{k - len(positional)}]"
         else:
-            names.append(f"{first.key}{inner_text}")
-    return tuple(names) + tuple(call.variable_names)
+            head = first.key if first.key in named or varkw is None else f"{varkw}['{first.key}']"
+        names[leaf] = head + rest
+    return names

@@ -14,11 +14,12 @@ primitive, so structure, custom derivative rules and loop carry types survive:
   wrapped in `jamp.custom_bwd`.
 
 Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
-of a float32 op (they run in float32 too). While it is evaluated, the interpreter keeps three
-facts about values: which are constants of the program (literals and what is broadcast from
-them: such a constant never rounds to infinity in the low dtype), which hold a matmul's low
-result, and which are broadcasts of smaller arrays (a bias added to a matmul's result follows
-its dtype, as torch's `linear` includes the bias).
+of a float32 op (they run in float32 too). While it is evaluated, the interpreter keeps facts
+about values (`_Frame`): which are scalar-like (literals and what is broadcast from them: they
+follow the other operand), which are constants of the program (such a constant never rounds to
+infinity in the low dtype), which are weights (inputs, moved or reshaped), and which hold the
+low result of a linear layer, a matmul or convolution of a weight (a weight added to it as a
+bias follows its dtype, as torch's `linear` includes the bias).
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
@@ -117,7 +118,10 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
         rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
         with jx.equation_context(eqn):
             if rule is not None:
-                outs = rule(eqn, [frame.read(a) for a in eqn.invars], regions[i], ctx,
+                # A call on a float32 chain takes float32 inputs (see autocast_dataflow).
+                invals = [frame.read_cast(a, rules.FLOAT32) if i in float32
+                          and frame.operand(a).castable else frame.read(a) for a in eqn.invars]
+                outs = rule(eqn, invals, regions[i], ctx,
                             [frame.constant(a) for a in eqn.invars])
             elif jx.jaxprs_in_params(eqn.params):
                 outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
@@ -134,9 +138,12 @@ class _Frame:
         self.env: dict = {}
         self.cache_enabled = cache_enabled
         self.casts: dict = {}
-        self.constants: dict = {}   # var -> largest finite magnitude, for program constants
-        self.lowered: set = set()   # vars holding a LOWER op's low-precision result
-        self.broadcasts: set = set()  # vars that are a broadcast of a smaller array
+        self.constants: dict = {}    # var -> largest finite magnitude, for program constants
+        self.scalar_like: set = set()  # rank-0 weak values and weak broadcasts of them
+        # Inputs of the jaxpr and values moved out of them, with the size of the input they
+        # come from (a bias broadcast to a layer's output is smaller there).
+        self.weights: dict = {}
+        self.linear: set = set()     # low results of a linear layer (see `_bias_follows`)
 
     def bind(self, variables, values, constants=None) -> None:
         self.env.update(zip(variables, values))
@@ -145,6 +152,9 @@ class _Frame:
                 known = _scalar_constant(value)
             if known is not None:
                 self.constants[var] = known
+            self.weights[var] = _size(var)
+            if _weak_scalar(var.aval) or _weak_scalar(jx.typeof(value)):
+                self.scalar_like.add(var)
 
     def read(self, atom):
         if isinstance(atom, jx.Literal):
@@ -157,6 +167,13 @@ class _Frame:
         if isinstance(atom, jx.Literal):
             return _scalar_constant(self.read(atom))
         return self.constants.get(atom)
+
+    def follows(self, atom) -> bool:
+        """Python-scalar-like: a rank-0 literal (a jaxpr's literals have lost their weak type),
+        a weak-typed rank-0 value, or a weak-typed broadcast of one (`jnp.where`'s scalar)."""
+        if isinstance(atom, jx.Literal):
+            return np.ndim(atom.val) == 0
+        return atom in self.scalar_like or _weak_scalar(jx.typeof(self.env[atom]))
 
     def read_cast(self, atom, dtype):
         value = self.read(atom)
@@ -179,31 +196,46 @@ class _Frame:
     def operand(self, atom) -> rules.Operand:
         if not _is_floating(atom.aval):
             return rules.Operand(None, None)
-        value = self.read(atom)
-        return rules.Operand(dtype_of(value), np.dtype(atom.aval.dtype),
-                             follows=_follows(atom, value), constant=self.constant(atom))
+        return rules.Operand(dtype_of(self.read(atom)), np.dtype(atom.aval.dtype),
+                             follows=self.follows(atom), constant=self.constant(atom))
 
-    def note(self, eqn, lowered: bool) -> None:
-        """Records what is known of an equation's outputs."""
+    def note(self, eqn, linear: bool = False) -> None:
+        """Records what is known of a first-order equation's outputs."""
         name = eqn.primitive.name
         outs = eqn.outvars
-        if lowered:
-            self.lowered.update(outs)
-        first = eqn.invars[0] if eqn.invars else None
-        if name == "broadcast_in_dim" and _size(first) < _size(outs[0]):
-            self.broadcasts.update(outs)
-        if name == "reshape" and not isinstance(first, jx.Literal):
-            # A reshape keeps both facts (flax's Conv reshapes its output before the bias).
-            if first in self.lowered:
-                self.lowered.update(outs)
-            if first in self.broadcasts:
-                self.broadcasts.update(outs)
+        inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
+                  and _is_floating(a.aval)]
+        if linear:
+            self.linear.update(outs)
+        if name in _MOVES and inputs:
+            if all(a in self.weights for a in inputs):
+                origin = min(self.weights[a] for a in inputs)
+                self.weights.update((o, origin) for o in outs)
+            # jnp converts a weak scalar to a strong one of its dtype before using it, and
+            # broadcasts it weak: both stay scalar-like (a strong array broadcast is not).
+            if all(self.follows(a) for a in eqn.invars if _is_floating(a.aval)) and all(
+                    getattr(o.aval, "weak_type", False) or not o.aval.shape for o in outs):
+                self.scalar_like.update(outs)
+            if name == "reshape" and inputs[0] in self.linear:
+                self.linear.update(outs)  # flax's Conv reshapes its output before the bias
         known = _propagated_constant(name, [self.constant(a) for a in eqn.invars if
                                             _is_floating(getattr(a, "aval", None))])
         if known is not None and len(outs) == 1 and _is_floating(outs[0].aval):
             known = known.astype(outs[0].aval.dtype)
             if np.isfinite(known):
                 self.constants[outs[0]] = known
+
+
+# Ops that move, reshape or relabel values without computing new ones.
+_MOVES = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
+    "dynamic_slice", "convert_element_type", "copy", "copy_p", "pvary",
+})
+
+
+def _weak_scalar(aval) -> bool:
+    return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
+            and _is_floating(aval))
 
 
 def _size(atom) -> int:
@@ -249,15 +281,6 @@ def _is_floating(aval) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _follows(atom, value) -> bool:
-    """Python-scalar-like operands: rank-0 literals, and weak-typed values (a Python scalar
-    argument, or a literal passed into a sub-jaxpr, see `_weak_literal_avals`)."""
-    if isinstance(atom, jx.Literal):
-        return np.ndim(atom.val) == 0
-    return bool(getattr(atom.aval, "weak_type", False)
-                or getattr(jx.typeof(value), "weak_type", False))
-
-
 def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]:
     name = eqn.primitive.name
     if name == "convert_element_type":
@@ -265,7 +288,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
         # already has is dropped.
         value = frame.read(eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        frame.note(eqn, lowered=False)
+        frame.note(eqn)
         if dtype_of(value) == np.dtype(new_dtype) and not weak_type:
             return [value]
         return jx.bind(eqn, eqn.params, [value])
@@ -277,7 +300,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
                                          for v, t in zip(values, targets)])
     floating = [_is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
-        frame.note(eqn, lowered=False)
+        frame.note(eqn)
         return jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars])
     operands = [frame.operand(a) for a in eqn.invars]
     if name == "add":
@@ -289,8 +312,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     invals = [frame.read_cast(a, t) for a, t in zip(eqn.invars, targets)]
     first = floating.index(True)
     result = dtype_of(invals[first])
-    lowered = result in _BELOW_FP32 and region.enabled and region.table.rule(name) == LOWER
-    frame.note(eqn, lowered)
+    frame.note(eqn, linear=result in _BELOW_FP32 and _is_linear_layer(eqn, region, frame))
     params = jx.with_result_dtype(eqn.params, operands[first].traced, result)
     if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
@@ -299,17 +321,28 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     return jx.bind(eqn, params, invals)
 
 
+def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
+    """torch's linear and conv: a LOWER matmul without batch dimensions, or a convolution,
+    whose right operand (the kernel) is a weight. Attention's batched score matmuls and
+    products of two activations are not: a bias added to those is an activation (a mask)
+    and promotes."""
+    if not region.enabled or region.table.rule(eqn.primitive.name) != LOWER:
+        return False
+    kernel = eqn.invars[1] if len(eqn.invars) > 1 else None
+    return (kernel is not None and kernel in frame.weights
+            and not jx.has_batch_dimensions(eqn))
+
+
 def _bias_follows(eqn, operands: list, frame: _Frame) -> list:
-    """In `matmul result + broadcast bias`, the bias follows the result's dtype (torch's linear,
-    conv and addmm add their bias inside the low-precision kernel)."""
+    """In `linear layer result + bias`, the bias follows the result's dtype, as torch's
+    linear, conv and addmm add their bias inside the low-precision kernel. A bias is a weight
+    smaller than the result (broadcast by the add's size-1 axes or a broadcast_in_dim)."""
     a, b = eqn.invars
     if isinstance(a, jx.Literal) or isinstance(b, jx.Literal):
         return operands
     for result, bias, i in ((a, b, 1), (b, a, 0)):
-        # The bias is smaller than the result: broadcast by the add itself (size-1 axes) or
-        # by a broadcast_in_dim before it.
-        smaller = bias in frame.broadcasts or _size(bias) < _size(eqn.outvars[0])
-        if result in frame.lowered and smaller:
+        if (result in frame.linear and bias in frame.weights
+                and frame.weights[bias] < _size(eqn.outvars[0])):
             operands = list(operands)
             operands[i] = dataclasses.replace(operands[i], follows=True)
     return operands

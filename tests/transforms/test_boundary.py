@@ -2,6 +2,9 @@
 errors that name the user's function, and the cache of traced programs (a repeated call does not
 trace again, and never serves stale values)."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +41,16 @@ def test_device_type_first_as_torch_writes_it(variant):
                                             cast_outputs=False))(X, W)
     assert (inside.dtype, outside.dtype) == (F16, BF16)
     assert jamp.autocast("gpu").device_type == "cuda"
+    # torch's positional dtype, enabled, cache_enabled
+    region = jamp.autocast("cuda", jnp.bfloat16, False, False)
+    assert (region.dtype, region.enabled, region.cache_enabled) == (BF16, False, False)
+
+
+def test_options_given_twice_or_by_position_after_a_function_are_refused():
+    with pytest.raises(TypeError, match="dtype twice"):
+        jamp.autocast("cuda", jnp.float16, dtype=jnp.bfloat16)
+    with pytest.raises(TypeError, match="by keyword after a function"):
+        jamp.autocast(lambda x: x, "cuda")
 
 
 @pytest.mark.parametrize("bad", [3, 2.5, [1, 2], np.ones(2)])
@@ -181,3 +194,112 @@ def test_nnx_modules_updated_by_an_optimizer_are_read_afresh():
     after = forward(X)
     assert not np.allclose(after, before)
     np.testing.assert_allclose(after, model(X), rtol=2e-2, atol=2e-2)
+
+
+# -- what the cache must tell apart (each case once traced the wrong program) -----------------
+
+def test_values_read_as_python_values_and_numpy_contents_are_not_baked_in():
+    scale = jnp.asarray(2.0)
+    table = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    auto = jamp.autocast(lambda x: x * float(scale) + table, device_type="cpu")
+    np.testing.assert_allclose(auto(X), X * 2.0 + table, rtol=2e-2)
+    scale = jnp.asarray(3.0)   # a new array read with float(): traced again
+    table[0] = 10.0            # a small numpy array changed in place: traced again
+    np.testing.assert_allclose(auto(X), X * 3.0 + table, rtol=2e-2)
+
+
+def test_two_names_bound_to_one_array_then_one_rebound():
+    a = b = W
+    auto = jamp.autocast(lambda x: x @ a + 10.0 * (x @ b), device_type="cpu")
+    np.testing.assert_allclose(auto(X), 11.0 * (X @ W), rtol=2e-2, atol=2e-2)
+    a = 2.0 * W
+    np.testing.assert_allclose(auto(X), 12.0 * (X @ W), rtol=2e-2, atol=2e-2)
+
+
+@dataclasses.dataclass
+class Config:  # eq without hash: keyed by identity, and held by the cache so ids stay its own
+    scale: float
+
+
+def test_unhashable_static_arguments_are_told_apart():
+    auto = jamp.autocast(lambda x, config: x * config.scale, device_type="cpu")
+    got = []
+    for scale in (1.0, 2.0, 3.0, 4.0, 5.0):
+        config = Config(scale)  # freed after each call: a new one may reuse its id
+        got.append(float(auto(jnp.ones(()), config)))
+        del config
+    assert got == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+class Stateful(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(3))
+        self.count = nnx.Variable(0)          # a Python int
+        self.buffer = nnx.data(jnp.zeros(3))  # an array attribute
+        self.stats = nnx.Variable({"sum": jnp.zeros(3)})
+
+
+def _update_everything(m, x):
+    m.count.set_value(m.count.get_value() + 1)
+    m.buffer = m.buffer + x
+    m.stats.set_value({"sum": m.stats.get_value()["sum"] + x})
+    m.sow(nnx.Intermediate, "seen", x * 2.0)  # a new attribute on the first call
+    return m.w[...] * x
+
+
+@pytest.mark.filterwarnings("ignore:Using .Module.sow\(\). outside:DeprecationWarning")
+def test_every_kind_of_nnx_state_is_written_back_as_without_autocast():
+    x = jnp.arange(3.0)
+    plain, auto = Stateful(), Stateful()
+    step = jamp.autocast(_update_everything, device_type="cpu")
+    for _ in range(2):
+        _update_everything(plain, x)
+        step(auto, x)
+    for name in ("count", "buffer", "stats", "seen"):
+        want, got = nnx.state(plain, name), nnx.state(auto, name)
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            assert not isinstance(g, jax.core.Tracer)
+            np.testing.assert_allclose(g, w)
+
+
+class LinearBN(nnx.Module):
+    def __init__(self, seed):
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(seed))
+        self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(seed))
+
+    def __call__(self, x):
+        return self.bn(self.linear(x))
+
+
+def test_returned_state_and_modules_are_this_calls():
+    x = jax.random.normal(jax.random.key(0), (8, 4)) + 1.0
+    step = jamp.autocast(lambda m, x: (m(x), m.bn, nnx.state(m, nnx.BatchStat)),
+                         device_type="cpu")
+    for model in (LinearBN(0), LinearBN(1)):  # the same structure: one program serves both
+        _, bn, stats = step(model, x)
+        assert bn is model.bn
+        assert not np.allclose(model.bn.mean[...], 0.0)
+        np.testing.assert_allclose(stats["bn"]["mean"][...], model.bn.mean[...])
+
+
+def test_modules_behind_objects_and_callables_are_updated():
+    class Trainer:
+        def __init__(self):
+            self.model = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+    x = jax.random.normal(jax.random.key(1), (8, 4)) + 1.0
+    trainer = Trainer()
+    jamp.autocast(lambda x: trainer.model(x), device_type="cpu")(x)   # behind an object
+    assert not np.allclose(trainer.model.mean[...], 0.0)
+    model = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    jamp.autocast(lambda call, x: call(x), device_type="cpu")(model.__call__, x)  # a method
+    assert not np.allclose(model.mean[...], 0.0)
+
+
+def test_a_mutable_output_is_new_on_every_call():
+    auto = jamp.autocast(lambda x: (x * 2.0, types.SimpleNamespace(tag="fresh")),
+                         device_type="cpu")
+    _, first = auto(X)
+    first.tag = "changed by the caller"
+    _, second = auto(X)
+    assert second is not first and second.tag == "fresh"

@@ -63,6 +63,49 @@ def test_linen_attention_with_padding_mask_trains(device_type, dtype, inspect):
     assert dots and all(t == (dtype.name,) * 3 for t in dots)
 
 
+FINFO_MIN = float(np.finfo(np.float32).min)
+ADDITIVE_MASKS = {
+    # (batch, keys) -> an additive attention bias; row 1 is all padding.
+    "(1 - mask) * finfo.min": lambda m: ((1.0 - m) * FINFO_MIN)[:, None, :],
+    "where(mask, 0, finfo.min)": lambda m: jnp.where(m > 0, 0.0, FINFO_MIN)[:, None, :],
+    "weak full-size finfo.min": lambda m: jnp.full((2, 4, 4), FINFO_MIN).at[0, :, :2].set(0.0),
+    "(1 - mask) * -1e9 in a jitted helper": lambda m: jax.jit(
+        lambda m: ((1.0 - m) * -1e9)[:, None, :])(m),
+}
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_additive_attention_masks_stay_finite(device_type):
+    # An additive mask is an activation, not a layer's bias: it promotes, as in torch.
+    q = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    mask = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0]], jnp.float32)
+
+    def attention(q, mask, make_bias):
+        scores = jnp.einsum("btd,bsd->bts", q, q)
+        return jnp.sum(jax.nn.softmax(scores + make_bias(mask), axis=-1) ** 2)
+
+    for name, make_bias in ADDITIVE_MASKS.items():
+        f = lambda q, mask: attention(q, mask, make_bias)
+        value, grad = jax.jit(jax.value_and_grad(jamp.autocast(f, device_type=device_type)))(
+            q, mask)
+        assert np.isfinite(value) and np.isfinite(grad).all(), name
+        assert rel_err(value, f(q, mask)) < 2e-2, name
+
+
+def test_float32_chain_runs_through_nested_jits():
+    # jnp.clip is a nested jit: on the cuda table the log after it takes its whole input chain
+    # in float32, so 1 - 1e-7 is not rounded to 1 in float16 (log(0) = -inf otherwise).
+    x = jax.random.normal(jax.random.key(0), (8, 16)) * 4.0
+    w = jax.random.normal(jax.random.key(1), (16, 1)) * 4.0
+
+    def bce(x, w):
+        p = jnp.clip(jax.nn.sigmoid(x @ w), 1e-7, 1 - 1e-7)
+        return -jnp.mean(jnp.log(1 - p))
+
+    got = jax.jit(jamp.autocast(bce, device_type="cuda"))(x, w)
+    assert np.isfinite(got) and rel_err(got, bce(x, w)) < 2e-2
+
+
 def test_computed_overflow_stays_visible_and_big_constants_stay_exact(variant):
     # A value the program computes overflows float16 as it would in torch: the loss scaler
     # must see it. A big constant in arithmetic is not rounded: the op runs in float32.

@@ -1,0 +1,292 @@
+"""The programs an autocast function runs: traced once per call signature, transformed by the
+interpreter, cached, and checked before reuse.
+
+`Program.build` traces the user's function on a call's traced arrays and NNX state
+(`boundary.Call`), with the NNX state borrowed (`_nnx_internals`); records what came out (array
+outputs, values and objects handed back as they are, the state the function left); turns the
+closed-over arrays the program uses into inputs; and traces the autocast interpretation of it all
+into one jaxpr. `Program.run` runs that jaxpr for a call, compiled when the call is eager, and
+writes the NNX state back. `cache_for(fn)` holds the programs of one user function.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+import weakref
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jamp.transforms import _jax_internals as jx
+from jamp.transforms import _nnx_internals as nnx_state
+from jamp.transforms import boundary, interpreter
+
+# How a leaf of an output or of the NNX state is produced on each call:
+#   ("out", k): the k-th array output of the program;
+#   ("in", i): the call's i-th traced input, unchanged;
+#   ("value", v): v, as the trace produced it (an immutable Python value);
+#   ("object", j): the call's j-th NNX object (a module or Variable handed back).
+Source = tuple
+
+
+@dataclasses.dataclass
+class Program:
+    """A traced and transformed call: what a repeated call with the same key runs.
+
+    Attributes:
+      jaxpr: the transformed program. Inputs: the call's traced inputs (`Call.inputs`), then
+        the closed-over arrays it uses (`lifted`). Outputs: arrays, see `Source`.
+      lifted: indices of those arrays among the call's `Reach.arrays`.
+      result: the output's structure and a `Source` per leaf.
+      writes: for each NNX slot the function changed, (slot index, value structure, a
+        `Source` per leaf).
+      cacheable: False when a later call could not be served right: the program holds
+        tracers of an enclosing transform or arrays the closure walk cannot supply afresh,
+        hands back a mutable object, or changed the structure of an NNX module (its new
+        objects are this call's). Such a program runs once.
+      state: the NNX state the writes and objects refer to when the program is not cacheable
+        (a cacheable one uses each call's own, which has the same structure).
+      adopted: objects the function created and attached to a module, made the caller's.
+      guards: checks a cached program passes before it is reused (see `valid_for`).
+      keep: objects the call's key names by identity, held so that their ids stay theirs.
+    """
+
+    jaxpr: Any
+    lifted: tuple
+    result: tuple
+    writes: list
+    cacheable: bool
+    state: Any
+    adopted: list
+    guards: list
+    keep: list
+    compiled: Callable
+
+    @classmethod
+    def build(cls, fn, call: boundary.Call, region, cache_enabled: bool,
+              cast_outputs: bool) -> "Program":
+        traced = _Trace(fn, call)
+        user = traced.jaxpr
+        lifted, slots, cacheable = _lift_closure_arrays(user, call, traced.live)
+        num_in, num_results = len(user.in_avals), traced.num_results
+
+        def program(*inputs):
+            consts = list(user.consts)
+            for slot, value in zip(slots, inputs[num_in:]):
+                consts[slot] = value
+            ctx = interpreter.Context(cache_enabled=cache_enabled)
+            outs = interpreter.eval_jaxpr(user, inputs[:num_in], region, ctx, consts=consts)
+            results, state = outs[:num_results], outs[num_results:]
+            if cast_outputs:
+                results = interpreter.cast_to_avals(results, user.out_avals[:num_results])
+            # NNX state keeps its dtype whatever cast_outputs says.
+            return results + interpreter.cast_to_avals(state, user.out_avals[num_results:])
+
+        avals = list(user.in_avals) + [jx.typeof(call.reach.arrays[k]) for k in lifted]
+        jaxpr = jx.trace_closed(program, avals)
+        cacheable = (cacheable and traced.cacheable and call.key is not None
+                     and not any(jx.is_tracer(c) for c in jaxpr.consts))
+        return cls(jaxpr, lifted, traced.result, traced.writes, cacheable,
+                   None if cacheable else traced.state_after, traced.adopted,
+                   _guards(call, lifted), list(call.reach.keep),
+                   jax.jit(jex_core.jaxpr_as_fun(jaxpr)))
+
+    def valid_for(self, call: boundary.Call) -> bool:
+        """What the key cannot say: the closed-over arrays the program does not take as inputs
+        (it may have read them as Python values) are the same objects, and the numpy arrays
+        it reached are the same, with the same contents where they are small."""
+        for check in self.guards:
+            if not check(call):
+                return False
+        return True
+
+    def run(self, call: boundary.Call):
+        inputs = call.inputs
+        arguments = inputs + [call.reach.arrays[k] for k in self.lifted]
+        if self.cacheable and not any(map(jx.is_tracer, arguments)):
+            # An eager call: run the cached program compiled, as jax.jit runs its cache.
+            outs = self.compiled(*arguments)
+        else:
+            outs = jex_core.jaxpr_as_fun(self.jaxpr)(*arguments)
+        state = call.state if self.state is None else self.state
+        objects = state.objects()
+
+        def produce(source: Source):
+            kind, where = source
+            if kind == "out":
+                return outs[where]
+            if kind == "in":
+                return inputs[where]
+            if kind == "object":
+                return objects[where]
+            return where
+
+        nnx_state.adopt(self.adopted)
+        for index, tree, sources in self.writes:
+            state.slots[index].write(jax.tree_util.tree_unflatten(tree, map(produce, sources)))
+        tree, sources = self.result
+        return jax.tree_util.tree_unflatten(tree, map(produce, sources))
+
+
+class _Trace:
+    """Traces the user's function on a call's inputs, its NNX state borrowed, and records
+    where each output and each changed piece of state comes from."""
+
+    def __init__(self, fn, call: boundary.Call):
+        self.cacheable = True
+        self.adopted: list = []
+        num_args = len(call.traced)
+
+        def flat_fn(*flat):
+            values = call.state_values(flat[num_args:])
+            args, kwargs = call.arguments(flat[:num_args])
+            with nnx_state.borrowed(call.state, values):
+                result = fn(*args, **kwargs)
+                # Read before the state is restored: a returned nnx.state(m) or submodule
+                # holds this trace's values.
+                after = nnx_state.State.of(call.reach.roots)
+                after_values = after.values()
+                objects = {id(o): j for j, o in enumerate(after.objects())}
+                leaves, tree = jax.tree_util.tree_flatten(
+                    result, is_leaf=lambda x: id(x) in objects)
+            return self._record(call, flat, leaves, tree, objects, after, after_values)
+
+        jx.with_debug_info(flat_fn, fn, call.names)
+        live = jax.live_arrays()  # held while tracing, so that their ids stay theirs
+        self.jaxpr = jx.trace_closed(flat_fn, [jx.typeof(x) for x in call.inputs])
+        self.live = {id(a) for a in live}
+
+    def _record(self, call, flat, leaves, tree, objects, after, after_values) -> list:
+        outputs: list = []
+        inputs = {id(x): i for i, x in enumerate(flat)}
+
+        def output(leaf) -> Source:
+            outputs.append(leaf)
+            return ("out", len(outputs) - 1)
+
+        def result_source(leaf) -> Source:
+            if id(leaf) in objects and not boundary.is_array(leaf):
+                return ("object", objects[id(leaf)])
+            if isinstance(leaf, (jax.Array, np.ndarray)):
+                return output(leaf)
+            if not boundary.is_immutable(leaf):
+                self.cacheable = False  # a mutable object must be this call's own
+            return ("value", leaf)
+
+        self.result = (tree, [result_source(leaf) for leaf in leaves])
+        self.num_results = len(outputs)
+
+        changed = _structure(after) != _structure(call.state)
+        self.writes = []
+        for index, value in enumerate(after_values):
+            value_leaves, value_tree = jax.tree_util.tree_flatten(value)
+            sources = [("in", inputs[id(leaf)]) if id(leaf) in inputs and not changed
+                       else output(leaf) if isinstance(leaf, (jax.Array, np.ndarray))
+                       else ("value", leaf) for leaf in value_leaves]
+            if changed or sources != call.slot_sources(index):
+                self.writes.append((index, value_tree, sources))
+        if changed:  # new or replaced objects: this call's own
+            self.cacheable = False
+            known = {id(o) for o in call.state.objects()}
+            self.adopted = [o for o in after.objects() if id(o) not in known]
+        self.state_after = after
+        return outputs
+
+
+def _structure(state: nnx_state.State) -> list:
+    return [(id(s.owner), s.attribute) for s in state.slots] + [id(n) for n in state.nodes]
+
+
+def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, tuple, bool]:
+    """Which consts of the traced program are closed-over arrays the call can pass afresh.
+
+    Returns (indices into the call's reached arrays, the const slots they fill, cacheable): a
+    const that existed before the trace but was not reached by the walk (an array behind a
+    library object), or that is a tracer, cannot be passed afresh: the program is not cached.
+    """
+    found = {id(a): k for k, a in enumerate(call.reach.arrays)}
+    lifted, slots, cacheable = [], [], True
+    for slot, const in enumerate(user.consts):
+        k = found.get(id(const))
+        if k is not None:
+            lifted.append(k)
+            slots.append(slot)
+        elif jx.is_tracer(const) or id(const) in live:
+            cacheable = False
+    return tuple(lifted), tuple(slots), cacheable
+
+
+def _guards(call: boundary.Call, lifted: tuple) -> list[Callable[[boundary.Call], bool]]:
+    guards = []
+    for k, array in enumerate(call.reach.arrays):
+        if k not in lifted:  # possibly read as a Python value (float(lr), `if flag:`)
+            guards.append(_same_object(lambda c, k=k: c.reach.arrays[k], array))
+    for k, array in enumerate(call.reach.numpy):
+        guards.append(_same_object(lambda c, k=k: c.reach.numpy[k], array))
+        if array.size <= boundary.NUMPY_CONTENT_CHECK:
+            copy = np.array(array)
+            guards.append(lambda c, k=k, copy=copy: np.array_equal(c.reach.numpy[k], copy))
+    return guards
+
+
+def _same_object(get: Callable, obj: Any) -> Callable[[boundary.Call], bool]:
+    try:
+        ref = weakref.ref(obj)
+        return lambda call: get(call) is ref()
+    except TypeError:  # not weakly referenceable: hold it
+        return lambda call: get(call) is obj
+
+
+class _LRU:
+    """A small least-recently-used map of programs."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.items: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        try:
+            self.items.move_to_end(key)
+        except KeyError:
+            return None
+        return self.items[key]
+
+    def put(self, key, value) -> None:
+        self.items[key] = value
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+# Programs are cached per user function (a weak reference: the cache goes with the function),
+# so that `jamp.autocast(loss)` built again each step still finds them, as `jax.jit(loss)` does.
+_PROGRAMS: "weakref.WeakKeyDictionary[Any, _LRU]" = weakref.WeakKeyDictionary()
+
+
+def cache_for(fn) -> _LRU:
+    """The program cache of a user function."""
+    owner = _cache_owner(fn)
+    try:
+        cache = _PROGRAMS.get(owner)
+        if cache is None:
+            cache = _PROGRAMS[owner] = _LRU()
+        return cache
+    except TypeError:  # not weakly referenceable: a cache of its own for this call
+        return _LRU()
+
+
+def _cache_owner(fn):
+    """The function whose code a call runs: bound methods, partials and callable objects
+    share their function's cache (their object and arguments are part of the key)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.ismethod(fn):
+        return fn.__func__
+    if not inspect.isfunction(fn) and inspect.isfunction(getattr(type(fn), "__call__", None)):
+        return type(fn).__call__
+    return fn
