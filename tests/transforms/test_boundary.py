@@ -247,7 +247,7 @@ def _update_everything(m, x):
     return m.w[...] * x
 
 
-@pytest.mark.filterwarnings("ignore:Using .Module.sow\(\). outside:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:Using .Module.sow\(\). outside:DeprecationWarning")
 def test_every_kind_of_nnx_state_is_written_back_as_without_autocast():
     x = jnp.arange(3.0)
     plain, auto = Stateful(), Stateful()

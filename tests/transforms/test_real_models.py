@@ -167,18 +167,17 @@ def _norm_input(norm):
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("norm", NORMS)
 def test_linen_norm_statistics_run_in_float32(norm, device_type, inspect):
+    # Read from the program (values: see the next tests): every reduction and rsqrt of the
+    # normalization is float32, though the Dense or Conv before it ran in the low dtype.
     model = LinenNorm(norm)
     x = _norm_input(norm)
-    variables = jax.jit(model.init)(jax.random.key(0), x)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
     f = jamp.autocast(lambda v, x: model.apply(v, x, mutable=["batch_stats"]),
                       device_type=device_type)
     stats = _stat_eqns(inspect, f, variables, x)
     assert stats and all(inspect.eqn_dtypes(e) == (["float32"], ["float32"]) for e in stats)
-    out, updates = f(variables, x)
-    want, want_updates = model.apply(variables, x, mutable=["batch_stats"])
-    assert rel_err(out, want) < 1e-2
-    for got, ref in zip(jax.tree.leaves(updates), jax.tree.leaves(want_updates)):
-        assert got.dtype == F32 and rel_err(got, ref) < 1e-2
+    lowered = inspect.jaxpr_eqns(jax.make_jaxpr(f)(variables, x), "convert_element_type")
+    assert any(e.params["new_dtype"] != F32 for e in lowered)
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
@@ -195,44 +194,45 @@ def test_nnx_norm_statistics_run_in_float32(norm, device_type, inspect):
     f = jamp.autocast(forward, device_type=device_type)
     stats = _stat_eqns(inspect, f, state, x)
     assert stats and all(inspect.eqn_dtypes(e) == (["float32"], ["float32"]) for e in stats)
-    (out, _), (want, _) = f(state, x), forward(state, x)
-    assert rel_err(out, want) < 1e-2
 
 
-class ConvBN(nn.Module):
+class LayerThenNorm(nn.Module):
+    """conv+BatchNorm (ResNet-style, no conv bias), conv+GroupNorm, Dense+LayerNorm/RMSNorm."""
+
+    norm: str
     dtype: object = None
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype)(x)
-        return nn.BatchNorm(use_running_average=False, dtype=self.dtype)(x)
-
-
-class DenseLN(nn.Module):
-    dtype: object = None
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.LayerNorm(dtype=self.dtype)(nn.Dense(64, dtype=self.dtype)(x))
+        if self.norm in ("BatchNorm", "GroupNorm"):
+            x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype)(x)
+            if self.norm == "BatchNorm":
+                return nn.BatchNorm(use_running_average=False, dtype=self.dtype)(x)
+            return nn.GroupNorm(num_groups=4, dtype=self.dtype)(x)
+        x = nn.Dense(64, dtype=self.dtype)(x)
+        return getattr(nn, self.norm)(dtype=self.dtype)(x)
 
 
 @pytest.mark.parametrize("device_type,dtype", TABLES)
-@pytest.mark.parametrize("module", [ConvBN, DenseLN])
-def test_norm_error_no_worse_than_hand_written_low_precision(module, device_type, dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_error_no_worse_than_hand_written_low_precision(norm, device_type, dtype):
+    # Output and running statistics against float32, beside the same model written with
+    # flax's dtype= in the table's low dtype (whose statistics flax computes in float32).
     x = jax.random.normal(jax.random.key(0), (8, 8, 8, 8)) * 3.0 + 1.0
-    if module is DenseLN:
+    if norm in ("LayerNorm", "RMSNorm"):
         x = x.reshape(64, 64)
-    variables = jax.jit(module().init)(jax.random.key(1), x)
+    model = LayerThenNorm(norm)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     run = lambda m: jax.jit(lambda v, x: m.apply(v, x, mutable=["batch_stats"]))
-    want, want_stats = run(module())(variables, x)
-    hand, hand_stats = run(module(dtype=dtype))(variables, x)
+    want, want_stats = run(model)(variables, x)
+    hand, hand_stats = run(LayerThenNorm(norm, dtype=dtype))(variables, x)
     auto, auto_stats = jax.jit(jamp.autocast(
-        lambda v, x: module().apply(v, x, mutable=["batch_stats"]),
+        lambda v, x: model.apply(v, x, mutable=["batch_stats"]),
         device_type=device_type))(variables, x)
     assert rel_err(auto, want) <= rel_err(hand, want)
     for a, h, w in zip(jax.tree.leaves(auto_stats), jax.tree.leaves(hand_stats),
                        jax.tree.leaves(want_stats)):
-        assert rel_err(a, w) <= rel_err(h, w)
+        assert a.dtype == F32 and rel_err(a, w) <= rel_err(h, w)
 
 
 # -- biases and activation memory ------------------------------------------------------------
