@@ -173,7 +173,8 @@ class _Frame:
         a weak-typed rank-0 value, or a weak-typed broadcast of one (`jnp.where`'s scalar)."""
         if isinstance(atom, jx.Literal):
             return np.ndim(atom.val) == 0
-        return atom in self.scalar_like or _weak_scalar(jx.typeof(self.env[atom]))
+        return (atom in self.scalar_like or _weak_scalar(atom.aval)
+                or _weak_scalar(jx.typeof(self.env[atom])))
 
     def read_cast(self, atom, dtype):
         value = self.read(atom)
@@ -199,8 +200,8 @@ class _Frame:
         return rules.Operand(dtype_of(self.read(atom)), np.dtype(atom.aval.dtype),
                              follows=self.follows(atom), constant=self.constant(atom))
 
-    def note(self, eqn, linear: bool = False) -> None:
-        """Records what is known of a first-order equation's outputs."""
+    def note(self, eqn, values: Sequence[Any], linear: bool = False) -> list:
+        """Records what is known of a first-order equation's outputs (`values`, returned)."""
         name = eqn.primitive.name
         outs = eqn.outvars
         inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
@@ -214,7 +215,8 @@ class _Frame:
             # jnp converts a weak scalar to a strong one of its dtype before using it, and
             # broadcasts it weak: both stay scalar-like (a strong array broadcast is not).
             if all(self.follows(a) for a in eqn.invars if _is_floating(a.aval)) and all(
-                    getattr(o.aval, "weak_type", False) or not o.aval.shape for o in outs):
+                    not o.aval.shape or getattr(jx.typeof(v), "weak_type", False)
+                    for o, v in zip(outs, values)):
                 self.scalar_like.update(outs)
             if name == "reshape" and inputs[0] in self.linear:
                 self.linear.update(outs)  # flax's Conv reshapes its output before the bias
@@ -224,6 +226,7 @@ class _Frame:
             known = known.astype(outs[0].aval.dtype)
             if np.isfinite(known):
                 self.constants[outs[0]] = known
+        return values
 
 
 # Ops that move, reshape or relabel values without computing new ones.
@@ -242,12 +245,11 @@ def _size(atom) -> int:
     return int(np.prod(atom.aval.shape)) if atom is not None else 0
 
 
-# Ops whose result holds only values of their floating operands (moved, reshaped, negated):
+# Ops whose result holds only values of their floating operands (moved, selected, negated):
 # a constant stays a constant, with the same largest magnitude.
-_CONSTANT_PRESERVING = frozenset({
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
-    "dynamic_slice", "gather", "copy", "copy_p", "neg", "abs", "stop_gradient", "pvary",
-    "select_n", "concatenate", "pad", "max", "min", "clamp", "convert_element_type",
+_CONSTANT_PRESERVING = _MOVES | frozenset({
+    "gather", "neg", "abs", "stop_gradient", "select_n", "concatenate", "pad", "max", "min",
+    "clamp",
 })
 
 
@@ -288,10 +290,9 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
         # already has is dropped.
         value = frame.read(eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        frame.note(eqn)
         if dtype_of(value) == np.dtype(new_dtype) and not weak_type:
-            return [value]
-        return jx.bind(eqn, eqn.params, [value])
+            return frame.note(eqn, [value])
+        return frame.note(eqn, jx.bind(eqn, eqn.params, [value]))
     if name == "optimization_barrier" and region.cast_inputs is not None:
         values = [frame.read(a) for a in eqn.invars]
         targets = [region.cast_inputs if rules.is_castable(dtype_of(v)) else None
@@ -300,8 +301,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
                                          for v, t in zip(values, targets)])
     floating = [_is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
-        frame.note(eqn)
-        return jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars])
+        return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
     operands = [frame.operand(a) for a in eqn.invars]
     if name == "add":
         operands = _bias_follows(eqn, operands, frame)
@@ -312,13 +312,14 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     invals = [frame.read_cast(a, t) for a, t in zip(eqn.invars, targets)]
     first = floating.index(True)
     result = dtype_of(invals[first])
-    frame.note(eqn, linear=result in _BELOW_FP32 and _is_linear_layer(eqn, region, frame))
+    linear = result in _BELOW_FP32 and _is_linear_layer(eqn, region, frame)
     params = jx.with_result_dtype(eqn.params, operands[first].traced, result)
     if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
-        return [cast(o, result) if _is_floating(o) else o for o in jx.bind(eqn, params, invals)]
-    return jx.bind(eqn, params, invals)
+        outs = jx.bind(eqn, params, invals)
+        return frame.note(eqn, [cast(o, result) if _is_floating(o) else o for o in outs])
+    return frame.note(eqn, jx.bind(eqn, params, invals), linear)
 
 
 def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:

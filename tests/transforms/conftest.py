@@ -1,4 +1,5 @@
-"""Helpers for the autocast tests: read the dtypes ops run in from lowered StableHLO and jaxprs.
+"""Helpers for the autocast tests: read the dtypes ops run in from lowered StableHLO and jaxprs;
+a small NNX model with training state.
 
 Exposed as fixtures so test modules need no package imports.
 """
@@ -8,6 +9,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 _ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-z0-9]+)>")
 _HLO_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
@@ -69,3 +71,21 @@ def inspect():
 def variant(request):
     """Runs a test eagerly and under `jax.jit` (chex.variants' two cases)."""
     return (lambda f: f) if request.param == "eager" else jax.jit
+
+
+class TrainNet(nnx.Module):
+    """Linear -> BatchNorm -> Dropout: the NNX state a training step updates."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.bn(self.linear(x)))
+
+
+@pytest.fixture(scope="session")
+def train_net():
+    """The `TrainNet` class (an NNX model with BatchNorm statistics and Dropout RNG counts)."""
+    return TrainNet

@@ -26,17 +26,13 @@ class Classifier(nn.Module):
         return nn.Dense(3)(nn.relu(x))
 
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.linear = nnx.Linear(4, 8, rngs=rngs)
-        self.bn = nnx.BatchNorm(8, rngs=rngs)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dropout(self.bn(self.linear(x)))
+@pytest.fixture
+def ns(train_net):
+    """A fresh namespace holding what the blocks name (a model, params, a batch...)."""
+    return namespace(train_net)
 
 
-def namespace():
+def namespace(Net):
     x = jax.random.normal(jax.random.key(0), (6, 4))
     model = Classifier()
     variables = jax.jit(lambda x: model.init(jax.random.key(1), x))(x)
@@ -60,8 +56,7 @@ def test_every_block_is_exercised():
     assert len(BLOCKS) == 11
 
 
-def test_intro_block():
-    ns = namespace()
+def test_intro_block(ns):
     mlp = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
     ns.update(model=mlp, params=jax.jit(mlp.init)(jax.random.key(2), ns["x"])["params"])
     exec(block_with("softmax_cross_entropy_with_integer_labels"), ns)
@@ -69,36 +64,31 @@ def test_intro_block():
     assert {g.dtype for g in jax.tree.leaves(ns["grads"])} == {F32}
 
 
-def test_torch_call_forms_block():
-    ns = namespace()
+def test_torch_call_forms_block(ns):
     exec(block_with('@jamp.autocast("cpu")'), ns)
     assert ns["forward"](ns["x"], ns["w"]).dtype == F32  # outputs back in the traced dtype
     assert ns["loss"](ns["params"], ns["batch"]).dtype == F32
 
 
-def test_masked_softmax_block():
-    ns = namespace()
+def test_masked_softmax_block(ns):
     ns.update(q=jnp.ones((2, 4)), k=jnp.ones((2, 4)), mask=jnp.array([[1, 0], [0, 0]], bool))
     exec(block_with("def masked_softmax"), ns)
     np.testing.assert_allclose(ns["out"], [[1.0, 0.0], [0.5, 0.5]], atol=1e-6)
 
 
-def test_table_block():
-    ns = namespace()
+def test_table_block(ns):
     exec(block_with('.without("cumsum")'), ns)
     assert ns["table"].rule("logistic") == "fp32" and ns["table"].rule("cumsum") is None
     assert ns["loss"](ns["params"], ns["batch"]).dtype == F32
 
 
-def test_primitive_names_block():
-    ns = namespace()
+def test_primitive_names_block(ns):
     block = block_with("primitive_names(jax.nn.softmax")
     shown = eval(block.split("# ", 1)[1])
     assert eval(block.splitlines()[0], ns) == shown
 
 
-def test_regions_block():
-    ns = namespace()
+def test_regions_block(ns):
     ns["x"] = ns["x"][:4]  # square, as `a @ c` needs
     exec(block_with("regions nest"), ns)
     assert ns["f"](ns["x"], ns["w"]).dtype == F32
@@ -106,8 +96,7 @@ def test_regions_block():
     assert raw(ns["x"], ns["w"]).dtype == BF16
 
 
-def test_linen_blocks():
-    ns = namespace()
+def test_linen_blocks(ns):
     exec(block_with("cast_outputs=False)(variables, x)"), ns)
     assert ns["logits"].dtype in (BF16, F16)
     exec(block_with('mutable=["batch_stats"]'), ns)
@@ -115,8 +104,7 @@ def test_linen_blocks():
     assert {u.dtype for u in jax.tree.leaves(ns["updates"])} == {F32}
 
 
-def test_nnx_state_block():
-    ns = namespace()
+def test_nnx_state_block(ns):
     ns["x"] = jax.random.normal(jax.random.key(3), (16, 4)) + 1.0
     exec(block_with("nnx.value_and_grad(jamp.autocast(loss_fn))"), ns)
     model = ns["model"]
@@ -125,15 +113,13 @@ def test_nnx_state_block():
     assert ns["y"].dtype == F32
 
 
-def test_nnx_functional_block():
-    ns = namespace()
-    ns["model"] = Net(nnx.Rngs(0, dropout=1))
+def test_nnx_functional_block(ns):
+    ns["model"] = ns["Net"](nnx.Rngs(0, dropout=1))
     exec(block_with("nnx.split(model)"), ns)
     assert ns["y"].dtype == F32
     assert not np.allclose(ns["new_state"]["bn"]["mean"][...], 0.0)
 
 
-def test_custom_vjp_block():
-    ns = namespace()
+def test_custom_vjp_block(ns):
     exec(block_with("fused.defvjp"), ns)
     assert callable(ns["fused"])
