@@ -209,6 +209,13 @@ def _update_if(finite, inner_update, grads, inner_state):
     # grads in dtype (an inner transformation that casts), and under shard_map the new state
     # may vary over more mesh axes than the old one. `zeros_like` of the traced types carries
     # both. (Reading them costs one more trace of the inner update, none at run time.)
+    if not isinstance(finite, jax.core.Tracer):
+        # Called eagerly, the flag is known: take the branch here. An eager lax.cond would
+        # trace and compile both branches anew at every step.
+        if bool(finite):
+            return inner_update(grads, inner_state)
+        update_types, _ = jax.eval_shape(inner_update, grads, inner_state)
+        return jax.tree_util.tree_map(jnp.zeros_like, update_types), inner_state
     update_types, state_types = jax.eval_shape(inner_update, grads, inner_state)
 
     def skipped(grads, inner_state):
@@ -234,7 +241,10 @@ def _report_overflow(finite: jax.Array, loss_id: int, new_scale: Any) -> None:
             "{scale}", loss_id=loss_id, scale=new_scale)
 
     # A cond only around the print: the numbers never depend on it.
-    lax.cond(finite, lambda: None, say)
+    if isinstance(finite, jax.core.Tracer):
+        lax.cond(finite, lambda: None, say)
+    elif not bool(finite):
+        say()
 
 
 def _find_states(opt_state: Any) -> list[LossScaledState]:
