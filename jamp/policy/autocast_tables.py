@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Mapping, Union
+from typing import Any, Mapping, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -114,8 +114,10 @@ class OpTable:
     rules: Mapping[str, Rule]
 
     def __post_init__(self):
-        rules = {_primitive_name(name): rule for name, rule in dict(self.rules).items()}
-        _check_names(rules)
+        given = dict(self.rules)
+        rules = {_primitive_name(name): rule for name, rule in given.items()}
+        # A Primitive object given as a key is a primitive, wherever it was made.
+        _check_names([name for name in given if not isinstance(name, jex_core.Primitive)])
         checked = {name: _check_rule(name, rule) for name, rule in rules.items()}
         object.__setattr__(self, "rules", MappingProxyType(checked))
         object.__setattr__(self, "default_dtype",
@@ -135,6 +137,8 @@ class OpTable:
 
     def without(self, *primitive_names: str) -> "OpTable":
         """A copy in which the named primitives follow their inputs (torch's promote rule)."""
+        _check_names([n for n in primitive_names if not isinstance(n, jex_core.Primitive)])
+        primitive_names = tuple(map(_primitive_name, primitive_names))
         return dataclasses.replace(
             self, rules={k: v for k, v in self.rules.items() if k not in primitive_names})
 
@@ -152,21 +156,21 @@ def _primitive_name(key) -> str:
     return key.name if isinstance(key, jex_core.Primitive) else key
 
 
-def _check_names(rules: Mapping[str, Rule]) -> None:
-    bad = [name for name in rules if not isinstance(name, str)]
+def _check_names(names: Sequence[Any]) -> None:
+    bad = [name for name in names if not isinstance(name, str)]
     if bad:
         raise TypeError(
             f"Op table keys must be primitive names (str) or jax.extend.core.Primitive "
             f"objects; got {', '.join(map(repr, bad))}.")
-    unknown = primitives.unknown_names(rules)
+    unknown = primitives.unknown_names(names)
     if unknown:
-        hints = " ".join(h for h in map(primitives.unknown_name_hint, unknown) if h)
         one = len(unknown) == 1
-        raise ValueError(
-            f"Op table names {', '.join(map(repr, unknown))}, which "
-            f"{'is not a JAX primitive' if one else 'are not JAX primitives'}: a rule for "
-            f"{'it' if one else 'them'} would match nothing. {hints} "
-            f"{primitives.LIST_PRIMITIVES_HINT}".replace("  ", " "))
+        raise ValueError(" ".join([
+            f"Op table names {', '.join(map(repr, unknown))}, which",
+            f"{'is not a JAX primitive' if one else 'are not JAX primitives'}: a rule for",
+            f"{'it' if one else 'them'} would match nothing.",
+            *filter(None, map(primitives.unknown_name_hint, unknown)),
+            primitives.LIST_PRIMITIVES_HINT]))
 
 
 def _check_rule(name: str, rule: Rule) -> Rule:

@@ -1,9 +1,11 @@
-"""Which names are JAX primitives, and what torch's composite ops trace to.
+"""Which names are JAX primitives, what they do to values, and what torch's composite ops trace
+to.
 
 Op tables are keyed by primitive names (`jax.extend.core.Primitive.name`). torch's autocast lists
 name ATen ops (`softmax`, `layer_norm`, `mse_loss`), most of which are not single primitives in
 JAX: a table entry under such a name would match nothing. This module tells the two apart and, for
-a name that is not a primitive, says what the torch op traces to here.
+a name that is not a primitive, says what the torch op traces to here. It also sorts primitives
+by what they do to values (move, compute elementwise, reduce), which autocast's rules read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+
+
+# -- what primitives do to values: the classes autocast's rules read --------------------------
+
+# Ops that move, reshape or relabel values without computing new ones.
+MOVES = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice", "dynamic_slice",
+    "convert_element_type", "copy", "pvary",
+})
+# Elementwise math.
+ELEMENTWISE = frozenset({
+    "neg", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "lgamma", "digamma", "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "abs",
+    "square", "integer_pow", "real", "imag", "conj", "reduce_precision", "add", "add_any",
+    "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "select_n", "clamp",
+    "stop_gradient",
+})
+# Ops that pass one of their operands through as the result.
+SELECTIONS = frozenset({"select_n", "clamp", "max", "min"})
+# Reductions that shrink their operand, and those across devices (which keep its shape).
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
+CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+# What one torch kernel computes from its inputs, as a chain of primitives.
+CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE
+         | frozenset({"concatenate", "pad", "gather"}))
+# Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat).
+CALLS = frozenset({"jit", "closed_call", "custom_jvp_call", "remat2"})
 
 
 def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
@@ -111,17 +142,15 @@ for _alias, _name in (("layernorm", "layer_norm"), ("group_norm", "layer_norm"),
     TORCH_COMPOSITES[_alias] = TORCH_COMPOSITES[_name]
 
 
-# Primitives that only move, reshape or relabel values: left out of the hint, since a table
-# rule for them decides nothing.
-_STRUCTURAL = frozenset({"broadcast_in_dim", "reshape", "squeeze", "stop_gradient", "transpose",
-                         "convert_element_type", "copy", "jit", "pjit", "closed_call"})
 
 
 def unknown_name_hint(name: str) -> str:
     """What to write instead of `name`, which is not a primitive."""
     composite = TORCH_COMPOSITES.get(name.lower()) if isinstance(name, str) else None
     if composite is not None:
-        emitted = [p for p in composite() if p not in _STRUCTURAL]
+        # Moves and calls are left out: a table rule for them decides nothing.
+        emitted = [p for p in composite()
+                   if p not in MOVES | CALLS and p != "stop_gradient"]
         return f"torch's {name!r} is not one primitive here: it traces to {', '.join(emitted)}."
     close = difflib.get_close_matches(str(name), sorted(_public_primitive_names()), n=3)
     if close:

@@ -57,20 +57,18 @@ def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
 
 def _spec(aval) -> jax.ShapeDtypeStruct:
     weak_type = getattr(aval, "weak_type", False)
-    extra = {}
+    # Varying manual axes (`manual_axis_type`, jax 0.10 and 0.11) are always kept: dropping
+    # them would make a replicated operand meet a varying one inside shard_map.
+    manual = dict(manual_axis_type=aval.manual_axis_type) if getattr(
+        aval, "manual_axis_type", None) is not None else {}
     sharding = getattr(aval, "sharding", None)
     if sharding is not None:
-        extra["sharding"] = sharding
-    manual_axis_type = getattr(aval, "manual_axis_type", None)
-    if manual_axis_type is not None:
-        extra["manual_axis_type"] = manual_axis_type
-    while True:
         try:
-            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type, **extra)
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type,
+                                        sharding=sharding, **manual)
         except (TypeError, ValueError):
-            if not extra:
-                raise
-            extra.popitem()  # a field this jax does not take here: drop it and retry
+            pass  # a sharding ShapeDtypeStruct does not take (an abstract mesh's): not a type
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak_type, **manual)
 
 
 def with_debug_info(flat_fn: Callable, fn: Callable, arg_names: Sequence[str],
@@ -304,6 +302,22 @@ def declares_result_types(params: dict) -> bool:
     `io_callback`, `debug_callback`) and FFI calls: they must see the dtypes they were traced
     with."""
     return "result_avals" in params or "callback" in params
+
+
+def array_literals(closed: ClosedJaxpr) -> list:
+    """The values of the array literals of a jaxpr and its sub-jaxprs (closed-over arrays,
+    under `jax_use_simplified_jaxpr_constants`)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            found.extend(a.val for a in eqn.invars
+                         if isinstance(a, Literal) and isinstance(a.val, jax.Array))
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+    walk(closed.jaxpr)
+    return found
 
 
 def jaxprs_in_params(params: dict) -> bool:

@@ -41,8 +41,8 @@ def _is_array(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """A place NNX state lives: a Variable's raw value (`attribute` None), or an array
-    attribute of a module."""
+    """A place NNX state lives: a Variable's raw value (`attribute` None), or an attribute of a
+    module holding arrays (an array, or a container of them: `nnx.data`, `nnx.List` items)."""
 
     owner: Any
     attribute: str | None
@@ -81,8 +81,9 @@ class State:
         nodes: dict[int, Any] = {}
         for root_name, root in roots:
             owners: dict[tuple, Any] = {}
-            arrays: list[tuple[tuple, Any]] = []
+            arrays: list[tuple] = []
             for path, value in nnx.iter_graph(root):
+                path = tuple(path)
                 name = ".".join([root_name, *map(str, path)])
                 if isinstance(value, nnx.Variable):
                     if _is_borrowable(value):
@@ -90,13 +91,16 @@ class State:
                         slots.setdefault((id(value), None), Slot(value, None, name))
                 elif _graph.is_graph_node(value) and hasattr(value, "_pytree__state"):
                     nodes.setdefault(id(value), value)
-                    owners[tuple(path)] = value
+                    owners[path] = value
                 elif _is_array(value) and path:
-                    arrays.append((tuple(path), name))
-            for path, name in arrays:  # an array held directly by a module: nnx.data
-                owner = owners.get(path[:-1])
-                if owner is not None and isinstance(path[-1], str):
-                    slots.setdefault((id(owner), path[-1]), Slot(owner, path[-1], name))
+                    arrays.append(path)
+            for path in arrays:
+                # The module holding the array, and the attribute it sits in (an array, or a
+                # container of arrays; nnx.List keeps item i as attribute "i").
+                depth = max(d for d in range(len(path)) if path[:d] in owners)
+                owner, attribute = owners[path[:depth]], str(path[depth])
+                slots.setdefault((id(owner), attribute), Slot(
+                    owner, attribute, ".".join([root_name, *map(str, path[:depth + 1])])))
         return cls([root for _, root in roots], list(slots.values()), list(nodes.values()))
 
     def values(self) -> list:
@@ -129,15 +133,27 @@ def _is_borrowable(variable: nnx.Variable) -> bool:
 @contextlib.contextmanager
 def borrowed(state: State, values: Sequence[Any]) -> Iterator[None]:
     """Within the block the state's slots hold `values` and its objects are valid in the
-    current trace; on exit both are restored."""
+    current trace; on exit both are restored. If the block raises, the modules' attributes
+    are restored too, so that objects the function attached before failing (holding the
+    trace's values) do not stay on them."""
     saved = state.values()
     saved_traces = [_trace_state(node) for node in state.nodes]
+    modules = [node for node in state.nodes if not isinstance(node, nnx.Variable)]
+    saved_attributes = [dict(vars(node)) for node in modules]
     try:
         for slot, value in zip(state.slots, values):
             slot.swap(value)
         for node in state.nodes:
             _set_trace_state(node, _tracers.TraceState())
         yield
+    except BaseException:
+        for node, attributes in zip(modules, saved_attributes):
+            for name in set(vars(node)) - set(attributes):
+                object.__delattr__(node, name)
+            for name, value in attributes.items():
+                if vars(node).get(name) is not value:
+                    object.__setattr__(node, name, value)
+        raise
     finally:
         for slot, value in zip(state.slots, saved):
             slot.swap(value)

@@ -12,7 +12,8 @@ starts from: a value that other ops also use at full size (an activation, the re
 stays as it is and is cast to float32 where the chain reads it, so only the kernel's inside
 changes. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
 computed in float32 for every use. A nested `jit` (or custom_jvp, remat) on the chain takes
-float32 inputs.
+float32 inputs: given those, its elementwise ops run in float32 (its matmuls still lower), and
+many jnp functions (`jnp.clip`, `jnp.where`) are such jits.
 """
 
 from __future__ import annotations
@@ -24,17 +25,8 @@ import jax.numpy as jnp
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32
 from jamp.transforms import _jax_internals as jx
-from jamp.transforms.autocast_rules import CHAIN, Region, is_castable
-
-# Calls whose bodies compute in their inputs' dtypes: a chain runs through them (jnp.clip,
-# jnp.where and many other jnp functions are nested jits). Given float32 inputs, their
-# elementwise ops run in float32; their matmuls still lower.
-CALLS = frozenset({"jit", "pjit", "closed_call", "custom_jvp_call", "checkpoint", "remat2",
-                   "remat"})
-
-# Reductions that shrink their operand (cross-device reductions keep its shape).
-_SHRINKING = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
-
+from jamp.policy.primitives import CALLS, CHAIN, REDUCTIONS
+from jamp.transforms.autocast_rules import Region, is_castable
 
 def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[int]:
     """Indices of the equations that compute in float32: float32 ops and the chains feeding them.
@@ -78,7 +70,7 @@ def _reduced_values(eqns) -> set:
     for eqn in eqns:
         name = eqn.primitive.name
         inputs = [v for v in eqn.invars if _is_var(v) and _is_floating(v)]
-        if name in _SHRINKING or (
+        if name in REDUCTIONS or (
                 name in CHAIN and inputs and all(v in reduced for v in inputs)):
             reduced.update(eqn.outvars)
     return reduced

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER, OpTable, autocast_table
+from jamp.policy import primitives
 from jamp.policy.dtypes import canonical_floating_dtype
 
 MARKER_PREFIX = "jamp_autocast"
@@ -37,34 +38,6 @@ PINNED = frozenset({
     "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
     "select_and_gather_add", "argsort",
 })
-
-# Ops that pass one of their operands through as the result: a constant operand that the low
-# dtype cannot represent saturates at its finite range here (its nearest value), where any other
-# op computes in the constant's dtype instead.
-SELECTIONS = frozenset({"select_n", "clamp", "max", "min"})
-
-# The ops a float32 op's operands are computed by, as one torch kernel would compute them from
-# its inputs: elementwise math, moves and reshapes, reductions, cross-device reductions.
-ELEMENTWISE = frozenset({
-    "neg", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p", "expm1", "tanh",
-    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
-    "atanh", "lgamma", "digamma", "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "abs",
-    "square", "integer_pow", "real", "imag", "conj", "reduce_precision", "copy", "copy_p",
-    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
-    "select_n", "clamp", "stop_gradient", "pvary",
-})
-STRUCTURAL = frozenset({
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
-    "dynamic_slice", "concatenate", "pad", "gather",
-})
-REDUCTIONS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "psum", "psum_invariant", "pmax",
-    "pmin",
-})
-CHAIN = ELEMENTWISE | STRUCTURAL | REDUCTIONS | frozenset({
-    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-})
-
 
 @dataclasses.dataclass(frozen=True)
 class Region:
@@ -222,7 +195,9 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     if fixed is not None and not any(
             ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands)):
         return [fixed if ok else None for ok in castable]
-    return _promote(operands, castable, saturate=primitive_name in SELECTIONS)
+    # A constant the low dtype cannot represent saturates at its finite range (its nearest
+    # value) in an op that passes it through; any other op computes in the constant's dtype.
+    return _promote(operands, castable, saturate=primitive_name in primitives.SELECTIONS)
 
 
 def overflows(constant: np.generic | None, dtype: np.dtype) -> bool:

@@ -63,14 +63,15 @@ class Reach:
       roots: NNX modules and Variables found, each once, with the name they were found under.
       key: how the rest was found: scalars by value, objects by identity, and where each
         array and root sits (so that two names bound to one array are told from two arrays).
-      keep: the objects keyed by identity, held so that their ids stay theirs.
+      identified: the objects keyed by identity (their id), in order: a program checks they
+        are the same objects, since a dead object's id can be reused.
     """
 
     arrays: list = dataclasses.field(default_factory=list)
     numpy: list = dataclasses.field(default_factory=list)
     roots: list = dataclasses.field(default_factory=list)
     key: list = dataclasses.field(default_factory=list)
-    keep: list = dataclasses.field(default_factory=list)
+    identified: list = dataclasses.field(default_factory=list)
     _index: dict = dataclasses.field(default_factory=dict)
     _seen: set = dataclasses.field(default_factory=set)
 
@@ -87,6 +88,11 @@ class Reach:
                 self.key.append(("object", value))
         elif nnx_state.is_node(value):
             self.key.append(("nnx", self._add(self.roots, value, (name, value))))
+        elif isinstance(value, jax.Array) and not (in_object or jx.is_tracer(value)) \
+                and value.ndim == 0:
+            # A closed-over scalar array is a constant of the program, like a Python scalar:
+            # by value (read with float() or `if`, or as a mask's fill, it must stay known).
+            self.key.append(("scalar", value.dtype, value.item()))
         elif isinstance(value, jax.Array):
             self.key.append(("array", self._add(self.arrays, value)))
         elif isinstance(value, np.ndarray):
@@ -96,7 +102,7 @@ class Reach:
                 self.key.append(_static_key(value))
         elif _is_function_like(value):
             if not in_object:
-                self.key.append(("function", _code_of(value)))
+                self.key.append(("function", self._code_of(value)))
                 self.visit_function(name, value, depth + 1)
         else:
             leaves, tree = jax.tree_util.tree_flatten(value, is_leaf=nnx_state.is_node)
@@ -120,12 +126,23 @@ class Reach:
         # NNX modules it holds (what its methods read), one of a library is not.
         if not in_object:
             self.key.append(("id", id(obj)))
-            self.keep.append(obj)
+            self.identified.append(obj)
         if id(obj) in self._seen or depth >= _MAX_DEPTH or _is_library(type(obj)):
             return
         self._seen.add(id(obj))
         for attr, value in sorted(getattr(obj, "__dict__", {}).items()):
             self.visit(f"{name}.{attr}", value, depth + 1, in_object=True)
+
+    def _code_of(self, fn) -> Any:
+        # A function by its code (a lambda built again each step is the same function); a
+        # callable without code by identity.
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            return code
+        self.identified.append(fn)
+        return ("id", id(fn))
 
     def _add(self, items: list, value: Any, entry: Any = None) -> int:
         # The index of `value` among `items`, adding it once.
@@ -138,23 +155,12 @@ class Reach:
 
 def _static_key(x) -> Any:
     # By value, with the type: 1 == 1.0 == True must not share a program.
-    try:
-        hash(x)
-    except TypeError:
-        return ("id", id(x))
     return (type(x), x)
 
 
 def _is_function_like(x) -> bool:
     return (inspect.isfunction(x) or inspect.ismethod(x) or isinstance(x, functools.partial)
             or hasattr(x, "__wrapped__"))
-
-
-def _code_of(fn) -> Any:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    return getattr(fn, "__code__", None) or id(fn)
 
 
 def _function_reach(fn) -> list[tuple[str, Any]]:
@@ -220,11 +226,11 @@ class Call:
       state: the NNX state of the modules it reaches.
       state_leaves / state_tree: the state's values, flattened; `state_traced` indexes their
         array leaves (traced), the others are Python values (part of the key).
-      names: a name for each traced input, for error messages.
       key: what a traced program depends on (hashable), or None when something it depends on
         cannot be told apart from call to call (the program is then traced every time).
     """
 
+    fn: Callable
     leaves: list
     in_tree: Any
     traced: list[int]
@@ -233,37 +239,41 @@ class Call:
     state_leaves: list
     state_tree: Any
     state_traced: list[int]
-    names: tuple[str, ...]
     key: tuple | None
 
     @classmethod
     def of(cls, fn: Callable, args: tuple, kwargs: dict) -> "Call":
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=nnx_state.is_node)
         traced = [i for i, x in enumerate(leaves) if is_array(x)]
-        leaf_names = argument_names(fn, in_tree)
         reach = Reach()
-        for i, leaf in enumerate(leaves):
-            if i not in set(traced):
-                reach.visit(leaf_names[i], leaf)
+        static = [i for i, x in enumerate(leaves) if not is_array(x)]
+        if static:
+            leaf_names = argument_names(fn, in_tree)
+            for i in static:
+                reach.visit(leaf_names[i], leaves[i])
         reach.visit_function("", fn, 0)
         state = nnx_state.State.of(reach.roots)
         state_leaves, state_tree = jax.tree_util.tree_flatten(state.values())
         state_traced = [i for i, x in enumerate(state_leaves) if is_array(x)]
-        names = tuple(leaf_names[i] for i in traced) + _state_names(state, state_leaves)
-        structure = state.structure()
-        key = (in_tree, tuple(reach.key), state_tree, structure,
+        key = (in_tree, tuple(reach.key), state_tree, state.structure(),
                tuple(_aval_key(leaves[i]) for i in traced),
-               tuple(_aval_key(state_leaves[i]) if i in set(state_traced)
-                     else _static_key(x) for i, x in enumerate(state_leaves)),
+               tuple(_aval_key(x) if is_array(x) else _static_key(x) for x in state_leaves),
                tuple(_aval_key(a) for a in reach.arrays),
                tuple((a.shape, a.dtype) for a in reach.numpy),
                jx.trace_context())
         try:
             hash(key)
-        except TypeError:  # a module's static attribute that cannot be hashed
+        except TypeError:  # a module's static attribute or a state value that cannot be hashed
             key = None
-        return cls(leaves, in_tree, traced, reach, state, state_leaves, state_tree,
-                   state_traced, names, key)
+        return cls(fn, leaves, in_tree, traced, reach, state, state_leaves, state_tree,
+                   state_traced, key)
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        """A name for each traced input, for errors raised while tracing (computed then)."""
+        leaf_names = argument_names(self.fn, self.in_tree)
+        return (tuple(leaf_names[i] for i in self.traced)
+                + _state_names(self.state))
 
     @property
     def inputs(self) -> list:
@@ -281,17 +291,19 @@ class Call:
     def slot_sources(self, index: int) -> list:
         """Where each leaf of the NNX slot `index` comes from when nothing changed it: the
         call's traced inputs, or its Python value."""
-        start = sum(self._slot_sizes[:index])
-        sources = []
-        for position in range(start, start + self._slot_sizes[index]):
-            leaf = self.state_leaves[position]
-            sources.append(("in", len(self.traced) + self.state_traced.index(position))
-                           if is_array(leaf) else ("value", leaf))
-        return sources
+        start, stop = self._slot_ranges[index]
+        position = {leaf: len(self.traced) + k for k, leaf in enumerate(self.state_traced)}
+        return [("in", position[i]) if is_array(self.state_leaves[i])
+                else ("value", self.state_leaves[i]) for i in range(start, stop)]
 
     @functools.cached_property
-    def _slot_sizes(self) -> list[int]:
-        return [len(jax.tree_util.tree_leaves(v)) for v in self.state.values()]
+    def _slot_ranges(self) -> list[tuple[int, int]]:
+        ranges, start = [], 0
+        for value in self.state.values():
+            stop = start + len(jax.tree_util.tree_leaves(value))
+            ranges.append((start, stop))
+            start = stop
+        return ranges
 
     def state_values(self, arrays: Sequence[Any]) -> list:
         """The NNX state's values with its array leaves replaced by `arrays`."""
@@ -301,7 +313,7 @@ class Call:
         return jax.tree_util.tree_unflatten(self.state_tree, full)
 
 
-def _state_names(state: nnx_state.State, leaves: list) -> tuple[str, ...]:
+def _state_names(state: nnx_state.State) -> tuple[str, ...]:
     names = []
     for slot in state.slots:
         value_leaves = jax.tree_util.tree_leaves(slot.get())

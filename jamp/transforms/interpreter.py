@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp.policy import primitives
 from jamp.policy.autocast_tables import LOWER
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms import autocast_dataflow as dataflow
@@ -48,12 +49,16 @@ class Context:
 
     Attributes:
       cache_enabled: cast each value to each dtype once per jaxpr (torch's weight cache).
-      jaxprs: transformed sub-jaxprs, keyed by (kind, sub-jaxpr, region, input types).
+      jaxprs: transformed sub-jaxprs, keyed by (kind, sub-jaxpr, region, input types, constant
+        inputs).
       regions: the region of each (enclosing region, name stack).
       plans: per (jaxpr, region), each equation's region and the equations that run in float32.
+      substitutes: values to read in place of array literals, by the literal value's id
+        (closed-over arrays passed afresh; see `programs`).
     """
 
     cache_enabled: bool = True
+    substitutes: dict = dataclasses.field(default_factory=dict)
     jaxprs: dict = dataclasses.field(default_factory=dict)
     regions: dict = dataclasses.field(default_factory=dict)
     plans: dict = dataclasses.field(default_factory=dict)
@@ -111,7 +116,7 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
     """
     jaxpr = closed.jaxpr
     regions, float32 = ctx.plan(jaxpr, region)
-    frame = _Frame(ctx.cache_enabled)
+    frame = _Frame(ctx.cache_enabled, ctx.substitutes)
     frame.bind(jaxpr.constvars, closed.consts if consts is None else consts)
     frame.bind(jaxpr.invars, args, constants)
     for i, eqn in enumerate(jaxpr.eqns):
@@ -134,16 +139,17 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
 class _Frame:
     """The values of one evaluation of one jaxpr, and what is known about them."""
 
-    def __init__(self, cache_enabled: bool):
+    def __init__(self, cache_enabled: bool, substitutes: dict):
         self.env: dict = {}
         self.cache_enabled = cache_enabled
+        self.substitutes = substitutes
         self.casts: dict = {}
         self.constants: dict = {}    # var -> largest finite magnitude, for program constants
         self.scalar_like: set = set()  # rank-0 weak values and weak broadcasts of them
         # Inputs of the jaxpr and values moved out of them, with the size of the input they
         # come from (a bias broadcast to a layer's output is smaller there).
         self.weights: dict = {}
-        self.linear: set = set()     # low results of a linear layer (see `_bias_follows`)
+        self.linear: set = set()     # low results of a linear layer (see `_bias`)
 
     def bind(self, variables, values, constants=None) -> None:
         self.env.update(zip(variables, values))
@@ -158,6 +164,9 @@ class _Frame:
 
     def read(self, atom):
         if isinstance(atom, jx.Literal):
+            substitute = self.substitutes.get(id(atom.val))
+            if substitute is not None:
+                return substitute
             # As a numpy value of the literal's type, so casts of it stay literals.
             return np.asarray(atom.val, dtype=atom.aval.dtype) if _is_floating(atom.aval) \
                 else atom.val
@@ -176,21 +185,21 @@ class _Frame:
         return (atom in self.scalar_like or _weak_scalar(atom.aval)
                 or _weak_scalar(jx.typeof(self.env[atom])))
 
-    def read_cast(self, atom, dtype):
+    def read_cast(self, atom, dtype, saturating: bool = False):
         value = self.read(atom)
         if dtype is None or dtype_of(value) == dtype:
             return value
         if not self.cache_enabled or isinstance(atom, jx.Literal):
-            return self._cast(atom, value, dtype)
-        key = (atom, dtype)
+            return self._cast(atom, value, dtype, saturating)
+        key = (atom, dtype, saturating)
         if key not in self.casts:
-            self.casts[key] = self._cast(atom, value, dtype)
+            self.casts[key] = self._cast(atom, value, dtype, saturating)
         return self.casts[key]
 
-    def _cast(self, atom, value, dtype):
+    def _cast(self, atom, value, dtype, saturating: bool):
         # The rules narrow a constant the low dtype cannot hold only where an op selects it;
         # it becomes its nearest finite value there, never infinity.
-        if rules.overflows(self.constant(atom), dtype):
+        if saturating or rules.overflows(self.constant(atom), dtype):
             return cast(saturate(value, dtype), dtype)
         return cast(value, dtype)
 
@@ -208,7 +217,7 @@ class _Frame:
                   and _is_floating(a.aval)]
         if linear:
             self.linear.update(outs)
-        if name in _MOVES and inputs:
+        if name in primitives.MOVES and inputs:
             if all(a in self.weights for a in inputs):
                 origin = min(self.weights[a] for a in inputs)
                 self.weights.update((o, origin) for o in outs)
@@ -229,13 +238,6 @@ class _Frame:
         return values
 
 
-# Ops that move, reshape or relabel values without computing new ones.
-_MOVES = frozenset({
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
-    "dynamic_slice", "convert_element_type", "copy", "copy_p", "pvary",
-})
-
-
 def _weak_scalar(aval) -> bool:
     return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
             and _is_floating(aval))
@@ -247,7 +249,7 @@ def _size(atom) -> int:
 
 # Ops whose result holds only values of their floating operands (moved, selected, negated):
 # a constant stays a constant, with the same largest magnitude.
-_CONSTANT_PRESERVING = _MOVES | frozenset({
+_CONSTANT_PRESERVING = primitives.MOVES | frozenset({
     "gather", "neg", "abs", "stop_gradient", "select_n", "concatenate", "pad", "max", "min",
     "clamp",
 })
@@ -303,13 +305,18 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     if not any(floating):
         return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
     operands = [frame.operand(a) for a in eqn.invars]
-    if name == "add":
-        operands = _bias_follows(eqn, operands, frame)
+    bias = _bias(eqn, frame) if name == "add" else None
+    if bias is not None:
+        operands[bias] = dataclasses.replace(operands[bias], follows=True)
     targets = rules.input_targets(
         name, region, operands, float32=float32,
         traced_only=jx.declares_result_types(eqn.params),
         wide_operand=any(_is_wide(a.aval) for a in eqn.invars))
-    invals = [frame.read_cast(a, t) for a, t in zip(eqn.invars, targets)]
+    # A bias is a weight, but an argument taken for one may be an additive mask full of
+    # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
+    # large would overflow the layer's result anyway).
+    invals = [frame.read_cast(a, t, saturating=i == bias)
+              for i, (a, t) in enumerate(zip(eqn.invars, targets))]
     first = floating.index(True)
     result = dtype_of(invals[first])
     linear = result in _BELOW_FP32 and _is_linear_layer(eqn, region, frame)
@@ -330,23 +337,23 @@ def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
     if not region.enabled or region.table.rule(eqn.primitive.name) != LOWER:
         return False
     kernel = eqn.invars[1] if len(eqn.invars) > 1 else None
-    return (kernel is not None and kernel in frame.weights
-            and not jx.has_batch_dimensions(eqn))
+    return (kernel is not None and not isinstance(kernel, jx.Literal)
+            and kernel in frame.weights and not jx.has_batch_dimensions(eqn))
 
 
-def _bias_follows(eqn, operands: list, frame: _Frame) -> list:
-    """In `linear layer result + bias`, the bias follows the result's dtype, as torch's
-    linear, conv and addmm add their bias inside the low-precision kernel. A bias is a weight
-    smaller than the result (broadcast by the add's size-1 axes or a broadcast_in_dim)."""
+def _bias(eqn, frame: _Frame) -> int | None:
+    """The index of the bias in `linear layer result + bias`, or None. A bias is a weight
+    smaller than the result (broadcast by the add's size-1 axes or a broadcast_in_dim): it
+    follows the result's dtype, as torch's linear, conv and addmm add their bias inside the
+    low-precision kernel."""
     a, b = eqn.invars
     if isinstance(a, jx.Literal) or isinstance(b, jx.Literal):
-        return operands
+        return None
     for result, bias, i in ((a, b, 1), (b, a, 0)):
         if (result in frame.linear and bias in frame.weights
                 and frame.weights[bias] < _size(eqn.outvars[0])):
-            operands = list(operands)
-            operands[i] = dataclasses.replace(operands[i], follows=True)
-    return operands
+            return i
+    return None
 
 
 def _is_wide(aval) -> bool:
@@ -496,11 +503,8 @@ def _eval_kept(closed, args, region, ctx) -> list[Any]:
 
 HIGHER_ORDER_RULES: dict[str, Callable] = {
     "jit": _jit_rule,
-    "pjit": _jit_rule,
     "closed_call": _jit_rule,
-    "checkpoint": _remat_rule,
     "remat2": _remat_rule,
-    "remat": _remat_rule,
     "shard_map": _shard_map_rule,
     "scan": _kept_rule,
     "while": _kept_rule,

@@ -31,7 +31,7 @@ from jamp.transforms import boundary, interpreter
 #   ("in", i): the call's i-th traced input, unchanged;
 #   ("value", v): v, as the trace produced it (an immutable Python value);
 #   ("object", j): the call's j-th NNX object (a module or Variable handed back).
-Source = tuple
+Source = tuple  # one of the above
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class Program:
         (a cacheable one uses each call's own, which has the same structure).
       adopted: objects the function created and attached to a module, made the caller's.
       guards: checks a cached program passes before it is reused (see `valid_for`).
-      keep: objects the call's key names by identity, held so that their ids stay theirs.
+      compiled: the program jit-compiled, for eager calls.
     """
 
     jaxpr: Any
@@ -64,7 +64,6 @@ class Program:
     state: Any
     adopted: list
     guards: list
-    keep: list
     compiled: Callable
 
     @classmethod
@@ -77,9 +76,13 @@ class Program:
 
         def program(*inputs):
             consts = list(user.consts)
-            for slot, value in zip(slots, inputs[num_in:]):
-                consts[slot] = value
-            ctx = interpreter.Context(cache_enabled=cache_enabled)
+            substitutes = {}
+            for slot, k, value in zip(slots, lifted, inputs[num_in:]):
+                if slot is None:  # a literal of the program (see _lift_closure_arrays)
+                    substitutes[id(call.reach.arrays[k])] = value
+                else:
+                    consts[slot] = value
+            ctx = interpreter.Context(cache_enabled=cache_enabled, substitutes=substitutes)
             outs = interpreter.eval_jaxpr(user, inputs[:num_in], region, ctx, consts=consts)
             results, state = outs[:num_results], outs[num_results:]
             if cast_outputs:
@@ -93,17 +96,13 @@ class Program:
                      and not any(jx.is_tracer(c) for c in jaxpr.consts))
         return cls(jaxpr, lifted, traced.result, traced.writes, cacheable,
                    None if cacheable else traced.state_after, traced.adopted,
-                   _guards(call, lifted), list(call.reach.keep),
-                   jax.jit(jex_core.jaxpr_as_fun(jaxpr)))
+                   _guards(call), jax.jit(jex_core.jaxpr_as_fun(jaxpr)))
 
     def valid_for(self, call: boundary.Call) -> bool:
-        """What the key cannot say: the closed-over arrays the program does not take as inputs
-        (it may have read them as Python values) are the same objects, and the numpy arrays
-        it reached are the same, with the same contents where they are small."""
-        for check in self.guards:
-            if not check(call):
-                return False
-        return True
+        """What the key cannot say: the objects it names by identity are the same objects
+        (not others that reuse a dead one's id), and so are the numpy arrays the call
+        reached, with the same contents where they are small."""
+        return all(check(call) for check in self.guards)
 
     def run(self, call: boundary.Call):
         inputs = call.inputs
@@ -205,41 +204,47 @@ def _structure(state: nnx_state.State) -> list:
 def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, tuple, bool]:
     """Which consts of the traced program are closed-over arrays the call can pass afresh.
 
-    Returns (indices into the call's reached arrays, the const slots they fill, cacheable): a
-    const that existed before the trace but was not reached by the walk (an array behind a
-    library object), or that is a tracer, cannot be passed afresh: the program is not cached.
+    Returns (indices into the call's reached arrays, the const slots they fill, cacheable). With
+    `jax_use_simplified_jaxpr_constants` a closed-over array is an array literal of the program
+    instead of a const (its slot is then None): the interpreter substitutes it where it is read.
+    A const or literal that existed before the trace but was not reached by the walk (an array
+    behind a library object), or that is a tracer, cannot be passed afresh: the program is not
+    cached.
     """
     found = {id(a): k for k, a in enumerate(call.reach.arrays)}
     lifted, slots, cacheable = [], [], True
-    for slot, const in enumerate(user.consts):
-        k = found.get(id(const))
+    literals = {id(v): v for v in jx.array_literals(user)}
+    for slot, value in [*enumerate(user.consts), *((None, v) for v in literals.values())]:
+        k = found.get(id(value))
         if k is not None:
             lifted.append(k)
             slots.append(slot)
-        elif jx.is_tracer(const) or id(const) in live:
+        elif jx.is_tracer(value) or id(value) in live:
             cacheable = False
     return tuple(lifted), tuple(slots), cacheable
 
 
-def _guards(call: boundary.Call, lifted: tuple) -> list[Callable[[boundary.Call], bool]]:
+def _guards(call: boundary.Call) -> list[Callable[[boundary.Call], bool]]:
     guards = []
-    for k, array in enumerate(call.reach.arrays):
-        if k not in lifted:  # possibly read as a Python value (float(lr), `if flag:`)
-            guards.append(_same_object(lambda c, k=k: c.reach.arrays[k], array))
+    for k, obj in enumerate(call.reach.identified):
+        guards.append(_same_object(lambda c, k=k: c.reach.identified[k], obj))
     for k, array in enumerate(call.reach.numpy):
         guards.append(_same_object(lambda c, k=k: c.reach.numpy[k], array))
         if array.size <= boundary.NUMPY_CONTENT_CHECK:
             copy = np.array(array)
-            guards.append(lambda c, k=k, copy=copy: np.array_equal(c.reach.numpy[k], copy))
+            guards.append(lambda c, k=k, copy=copy: np.array_equal(
+                c.reach.numpy[k], copy, equal_nan=copy.dtype.kind in "fc"))
     return guards
 
 
 def _same_object(get: Callable, obj: Any) -> Callable[[boundary.Call], bool]:
+    # A weak reference where the object takes one, so that the cache keeps nothing alive
+    # (a dead object's id may be reused: the check then fails).
     try:
         ref = weakref.ref(obj)
-        return lambda call: get(call) is ref()
-    except TypeError:  # not weakly referenceable: hold it
+    except TypeError:
         return lambda call: get(call) is obj
+    return lambda call: get(call) is ref()
 
 
 class _LRU:

@@ -171,3 +171,12 @@ def test_primitive_names_lists_what_a_function_traces_to():
     names = jamp.transforms.primitive_names(jax.nn.softmax, X)
     assert {"exp", "reduce_max", "reduce_sum", "div"} <= set(names)
     assert names == list(dict.fromkeys(names))  # each once
+
+
+def test_primitive_classes_name_only_primitives():
+    from jamp.policy import primitives
+
+    for group in (primitives.MOVES, primitives.ELEMENTWISE, primitives.SELECTIONS,
+                  primitives.REDUCTIONS, primitives.COLLECTIVES, primitives.CUMULATIVE,
+                  primitives.CALLS):
+        assert primitives.unknown_names(sorted(group)) == []

@@ -172,40 +172,74 @@ def test_the_cache_never_serves_stale_closed_over_values():
     assert counter.traces == 2
 
 
-def test_arrays_behind_an_object_are_read_by_tracing_again():
-    class Holder:
-        pass
+def test_arrays_held_by_objects_are_read_afresh():
+    class Trainer:  # user code: its arrays are inputs of the program
+        def __init__(self):
+            self.w = W
+            self.opt_state = jnp.zeros(3)  # updated every step, never read by the loss
 
-    holder = Holder()
-    holder.w = W
-    auto = jamp.autocast(lambda x: x @ holder.w, device_type="cpu")
+        def loss(self, x):
+            counter.traces += 1
+            return x @ self.w
+
+    counter = Counter()
+    trainer = Trainer()
+    auto = jamp.autocast(trainer.loss, device_type="cpu")
+    np.testing.assert_allclose(auto(X), X @ W, rtol=2e-2, atol=2e-2)
+    trainer.w, trainer.opt_state = -W, trainer.opt_state + 1.0
+    np.testing.assert_allclose(auto(X), -(X @ W), rtol=2e-2, atol=2e-2)
+    assert counter.traces == 1
+
+
+def test_arrays_behind_a_library_object_are_read_by_tracing_again():
+    holder = types.SimpleNamespace(w=W)  # not walked into: its array is not an input
+    counter = Counter()
+
+    def f(x):
+        counter.traces += 1
+        return x @ holder.w
+
+    auto = jamp.autocast(f, device_type="cpu")
     np.testing.assert_allclose(auto(X), X @ W, rtol=2e-2, atol=2e-2)
     holder.w = -W
     np.testing.assert_allclose(auto(X), -(X @ W), rtol=2e-2, atol=2e-2)
+    assert counter.traces == 2
 
 
 def test_nnx_modules_updated_by_an_optimizer_are_read_afresh():
     model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
-    forward = jamp.autocast(lambda x: model(x), device_type="cpu")
+    counter = Counter()
+
+    def f(x):
+        counter.traces += 1
+        return model(x)
+
+    forward = jamp.autocast(f, device_type="cpu")
     before = forward(X)
     grads = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(model)
     optimizer.update(model, grads)
     after = forward(X)
-    assert not np.allclose(after, before)
+    assert not np.allclose(after, before) and counter.traces == 1
     np.testing.assert_allclose(after, model(X), rtol=2e-2, atol=2e-2)
 
 
 # -- what the cache must tell apart (each case once traced the wrong program) -----------------
 
-def test_values_read_as_python_values_and_numpy_contents_are_not_baked_in():
-    scale = jnp.asarray(2.0)
+def test_a_closed_over_scalar_array_is_read_as_a_value():
+    w = jnp.asarray(2.0)  # used as an array and read with float(): a constant of the program
+    auto = jamp.autocast(lambda x: x * w + float(w), device_type="cpu")
+    np.testing.assert_allclose(auto(X), X * 2.0 + 2.0, rtol=2e-2)
+    w = jnp.asarray(3.0)
+    np.testing.assert_allclose(auto(X), X * 3.0 + 3.0, rtol=2e-2)
+
+
+def test_a_small_numpy_array_changed_in_place_is_read_again():
     table = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
-    auto = jamp.autocast(lambda x: x * float(scale) + table, device_type="cpu")
-    np.testing.assert_allclose(auto(X), X * 2.0 + table, rtol=2e-2)
-    scale = jnp.asarray(3.0)   # a new array read with float(): traced again
-    table[0] = 10.0            # a small numpy array changed in place: traced again
-    np.testing.assert_allclose(auto(X), X * 3.0 + table, rtol=2e-2)
+    auto = jamp.autocast(lambda x: x + table, device_type="cpu")
+    np.testing.assert_allclose(auto(X), X + table, rtol=2e-2)
+    table[0] = 10.0
+    np.testing.assert_allclose(auto(X), X + table, rtol=2e-2)
 
 
 def test_two_names_bound_to_one_array_then_one_rebound():
@@ -236,12 +270,14 @@ class Stateful(nnx.Module):
         self.w = nnx.Param(jnp.ones(3))
         self.count = nnx.Variable(0)          # a Python int
         self.buffer = nnx.data(jnp.zeros(3))  # an array attribute
+        self.items = nnx.List([jnp.zeros(3), jnp.ones(3)])  # arrays in an nnx.List
         self.stats = nnx.Variable({"sum": jnp.zeros(3)})
 
 
 def _update_everything(m, x):
     m.count.set_value(m.count.get_value() + 1)
     m.buffer = m.buffer + x
+    m.items[0] = m.items[0] + x
     m.stats.set_value({"sum": m.stats.get_value()["sum"] + x})
     m.sow(nnx.Intermediate, "seen", x * 2.0)  # a new attribute on the first call
     return m.w[...] * x
@@ -255,8 +291,9 @@ def test_every_kind_of_nnx_state_is_written_back_as_without_autocast():
     for _ in range(2):
         _update_everything(plain, x)
         step(auto, x)
-    for name in ("count", "buffer", "stats", "seen"):
+    for name in ("count", "buffer", "items", "stats", "seen"):
         want, got = nnx.state(plain, name), nnx.state(auto, name)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
             assert not isinstance(g, jax.core.Tracer)
             np.testing.assert_allclose(g, w)
@@ -303,3 +340,17 @@ def test_a_mutable_output_is_new_on_every_call():
     first.tag = "changed by the caller"
     _, second = auto(X)
     assert second is not first and second.tag == "fresh"
+
+
+def test_a_function_that_fails_leaves_the_module_as_it_was():
+    model = Stateful()
+
+    def fails(m, x):
+        m.extra = nnx.Variable(x * 2.0)  # attached, then the function raises
+        m.w = nnx.Param(x + 1.0)
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        jamp.autocast(fails, device_type="cpu")(model, jnp.arange(3.0))
+    assert not hasattr(model, "extra")
+    np.testing.assert_array_equal(model.w[...], jnp.ones(3))  # concrete, usable
