@@ -67,10 +67,11 @@ def next_token_loss(logits, tokens):
 
 
 def residual_bytes(loss: Callable, *args) -> int:
-    """Bytes of the values `jax.vjp` keeps for the backward pass of `loss(*args)`, read from
-    the pullback's leaves (its saved residuals) after one jitted forward."""
-    pullback = jax.jit(lambda *a: jax.vjp(loss, *a)[1])(*args)
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(pullback))
+    """Bytes of the values `jax.vjp` keeps for the backward pass of `loss(*args)`: the leaves
+    of the pullback (its saved residuals), whose shapes and dtypes tracing alone decides."""
+    pullback = jax.eval_shape(lambda *a: jax.vjp(loss, *a)[1], *args)
+    return sum(math.prod(x.shape) * x.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(pullback))
 
 
 def block_until_ready(tree):
