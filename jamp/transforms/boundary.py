@@ -33,10 +33,12 @@ import numpy as np
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
 
-# Objects of these packages are not user code: their attributes and closures are not walked.
+# Objects of these packages hold no user state: their attributes are not walked. Functions of
+# the standard library are not walked either (its objects are: a SimpleNamespace or an
+# argparse.Namespace holds a user's arrays).
 _LIBRARIES = frozenset({"jax", "jaxlib", "flax", "optax", "chex", "numpy", "jamp", "scipy",
-                        "ml_dtypes", "equinox", "torch", "functools", "typing"}) | frozenset(
-    getattr(sys, "stdlib_module_names", ()))
+                        "ml_dtypes", "equinox", "torch"})
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"functools", "typing"}
 _MAX_DEPTH = 4  # functions and objects followed from the transformed function
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 # numpy arrays up to this size are also compared by content on every call.
@@ -127,7 +129,8 @@ class Reach:
         if not in_object:
             self.key.append(("id", id(obj)))
             self.identified.append(obj)
-        if id(obj) in self._seen or depth >= _MAX_DEPTH or _is_library(type(obj)):
+        if (id(obj) in self._seen or depth >= _MAX_DEPTH
+                or _is_library(type(obj), stdlib=False)):
             return
         self._seen.add(id(obj))
         for attr, value in sorted(getattr(obj, "__dict__", {}).items()):
@@ -210,9 +213,9 @@ def _global_names(code: types.CodeType):
             yield from _global_names(const)
 
 
-def _is_library(obj) -> bool:
-    module = getattr(obj, "__module__", None) or ""
-    return module.partition(".")[0] in _LIBRARIES
+def _is_library(obj, stdlib: bool = True) -> bool:
+    package = (getattr(obj, "__module__", None) or "").partition(".")[0]
+    return package in _LIBRARIES or (stdlib and package in _STDLIB)
 
 
 @dataclasses.dataclass

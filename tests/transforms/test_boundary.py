@@ -173,6 +173,8 @@ def test_the_cache_never_serves_stale_closed_over_values():
 
 
 def test_arrays_held_by_objects_are_read_afresh():
+    config = types.SimpleNamespace(shift=jnp.ones(4))  # a standard-library object: walked too
+
     class Trainer:  # user code: its arrays are inputs of the program
         def __init__(self):
             self.w = W
@@ -180,19 +182,30 @@ def test_arrays_held_by_objects_are_read_afresh():
 
         def loss(self, x):
             counter.traces += 1
-            return x @ self.w
+            return x @ self.w + config.shift
 
     counter = Counter()
     trainer = Trainer()
     auto = jamp.autocast(trainer.loss, device_type="cpu")
-    np.testing.assert_allclose(auto(X), X @ W, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(auto(X), X @ W + 1.0, rtol=2e-2, atol=2e-2)
     trainer.w, trainer.opt_state = -W, trainer.opt_state + 1.0
-    np.testing.assert_allclose(auto(X), -(X @ W), rtol=2e-2, atol=2e-2)
+    config.shift = 2.0 * jnp.ones(4)
+    np.testing.assert_allclose(auto(X), -(X @ W) + 2.0, rtol=2e-2, atol=2e-2)
     assert counter.traces == 1
 
 
+class LibraryHolder:
+    """Stands for an object of a library (jamp does not walk into those): its array is not an
+    input of the program."""
+
+    __module__ = "optax.some_module"
+
+    def __init__(self, w):
+        self.w = w
+
+
 def test_arrays_behind_a_library_object_are_read_by_tracing_again():
-    holder = types.SimpleNamespace(w=W)  # not walked into: its array is not an input
+    holder = LibraryHolder(W)
     counter = Counter()
 
     def f(x):
