@@ -28,6 +28,7 @@ import types
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jamp.transforms import _jax_internals as jx
@@ -61,6 +62,7 @@ class Reach:
 
     Attributes:
       arrays: jax arrays (or tracers of an enclosing transform) found, each once.
+      scalars: closed-over concrete scalar arrays, keyed by value (baked into the program).
       numpy: numpy arrays found, each once.
       roots: NNX modules and Variables found, each once, with the name they were found under.
       key: how the rest was found: scalars by value, objects by identity, and where each
@@ -70,6 +72,7 @@ class Reach:
     """
 
     arrays: list = dataclasses.field(default_factory=list)
+    scalars: list = dataclasses.field(default_factory=list)
     numpy: list = dataclasses.field(default_factory=list)
     roots: list = dataclasses.field(default_factory=list)
     key: list = dataclasses.field(default_factory=list)
@@ -90,11 +93,12 @@ class Reach:
                 self.key.append(("object", value))
         elif nnx_state.is_node(value):
             self.key.append(("nnx", self._add(self.roots, value, (name, value))))
-        elif isinstance(value, jax.Array) and not (in_object or jx.is_tracer(value)) \
-                and value.ndim == 0:
+        elif _is_scalar_array(value) and not in_object:
             # A closed-over scalar array is a constant of the program, like a Python scalar:
-            # by value (read with float() or `if`, or as a mask's fill, it must stay known).
-            self.key.append(("scalar", value.dtype, value.item()))
+            # by value (read with float() or `if`, or as a mask's fill, it must stay known);
+            # by its bytes, so that a NaN equals itself.
+            self.key.append(("scalar", value.dtype, np.asarray(value).tobytes()))
+            self.scalars.append(value)
         elif isinstance(value, jax.Array):
             self.key.append(("array", self._add(self.arrays, value)))
         elif isinstance(value, np.ndarray):
@@ -154,6 +158,11 @@ class Reach:
             self._index[key] = len(items)
             items.append(value if entry is None else entry)
         return self._index[key]
+
+
+def _is_scalar_array(x) -> bool:
+    return (isinstance(x, jax.Array) and not jx.is_tracer(x) and x.ndim == 0
+            and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_))
 
 
 def _static_key(x) -> Any:

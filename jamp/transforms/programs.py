@@ -212,6 +212,7 @@ def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, t
     cached.
     """
     found = {id(a): k for k, a in enumerate(call.reach.arrays)}
+    by_value = {id(a) for a in call.reach.scalars}  # in the key: fine to bake in
     lifted, slots, cacheable = [], [], True
     literals = {id(v): v for v in jx.array_literals(user)}
     for slot, value in [*enumerate(user.consts), *((None, v) for v in literals.values())]:
@@ -219,7 +220,7 @@ def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, t
         if k is not None:
             lifted.append(k)
             slots.append(slot)
-        elif jx.is_tracer(value) or id(value) in live:
+        elif jx.is_tracer(value) or (id(value) in live and id(value) not in by_value):
             cacheable = False
     return tuple(lifted), tuple(slots), cacheable
 

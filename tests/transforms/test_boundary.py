@@ -241,8 +241,16 @@ def test_nnx_modules_updated_by_an_optimizer_are_read_afresh():
 
 def test_a_closed_over_scalar_array_is_read_as_a_value():
     w = jnp.asarray(2.0)  # used as an array and read with float(): a constant of the program
-    auto = jamp.autocast(lambda x: x * w + float(w), device_type="cpu")
+    counter = Counter()
+
+    def f(x):
+        counter.traces += 1
+        return x * w + float(w)
+
+    auto = jamp.autocast(f, device_type="cpu")
     np.testing.assert_allclose(auto(X), X * 2.0 + 2.0, rtol=2e-2)
+    auto(X)
+    assert counter.traces == 1  # the same value: the same program
     w = jnp.asarray(3.0)
     np.testing.assert_allclose(auto(X), X * 3.0 + 3.0, rtol=2e-2)
 
