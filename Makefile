@@ -21,8 +21,9 @@ $(VENV)/.installed-test: $(VENV)/.installed-core
 demo: $(VENV)/.installed-core
 	$(PY) examples/demo.py
 
+# Two worker processes: the suite is mostly XLA compiles, which two cores share well.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
