@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -116,8 +116,7 @@ class OpTable:
     def __post_init__(self):
         given = dict(self.rules)
         rules = {_primitive_name(name): rule for name, rule in given.items()}
-        # A Primitive object given as a key is a primitive, wherever it was made.
-        _check_names([name for name in given if not isinstance(name, jex_core.Primitive)])
+        _check_names(given)
         checked = {name: _check_rule(name, rule) for name, rule in rules.items()}
         object.__setattr__(self, "rules", MappingProxyType(checked))
         object.__setattr__(self, "default_dtype",
@@ -137,7 +136,7 @@ class OpTable:
 
     def without(self, *primitive_names: str) -> "OpTable":
         """A copy in which the named primitives follow their inputs (torch's promote rule)."""
-        _check_names([n for n in primitive_names if not isinstance(n, jex_core.Primitive)])
+        _check_names(primitive_names)
         primitive_names = tuple(map(_primitive_name, primitive_names))
         return dataclasses.replace(
             self, rules={k: v for k, v in self.rules.items() if k not in primitive_names})
@@ -156,7 +155,9 @@ def _primitive_name(key) -> str:
     return key.name if isinstance(key, jex_core.Primitive) else key
 
 
-def _check_names(names: Sequence[Any]) -> None:
+def _check_names(names: Iterable[Any]) -> None:
+    # A Primitive object given as a key is a primitive, wherever it was made.
+    names = [name for name in names if not isinstance(name, jex_core.Primitive)]
     bad = [name for name in names if not isinstance(name, str)]
     if bad:
         raise TypeError(

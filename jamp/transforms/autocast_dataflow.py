@@ -21,12 +21,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-import jax.numpy as jnp
-
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32
-from jamp.transforms import _jax_internals as jx
 from jamp.policy.primitives import CALLS, CHAIN, REDUCTIONS
-from jamp.transforms.autocast_rules import Region, is_castable
+from jamp.transforms import _jax_internals as jx
+from jamp.transforms.autocast_rules import Region, is_castable, is_floating
+
 
 def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[int]:
     """Indices of the equations that compute in float32: float32 ops and the chains feeding them.
@@ -69,7 +68,7 @@ def _reduced_values(eqns) -> set:
     reduced: set = set()
     for eqn in eqns:
         name = eqn.primitive.name
-        inputs = [v for v in eqn.invars if _is_var(v) and _is_floating(v)]
+        inputs = [v for v in eqn.invars if _is_var(v) and is_floating(v.aval)]
         if name in REDUCTIONS or (
                 name in CHAIN and inputs and all(v in reduced for v in inputs)):
             reduced.update(eqn.outvars)
@@ -78,10 +77,6 @@ def _reduced_values(eqns) -> set:
 
 def _is_var(atom) -> bool:
     return not isinstance(atom, jx.Literal)
-
-
-def _is_floating(var) -> bool:
-    return jnp.issubdtype(var.aval.dtype, jnp.floating)
 
 
 def _castable(var) -> bool:

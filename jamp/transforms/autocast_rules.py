@@ -17,8 +17,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER, OpTable, autocast_table
 from jamp.policy import primitives
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER, OpTable, autocast_table
 from jamp.policy.dtypes import canonical_floating_dtype
 
 MARKER_PREFIX = "jamp_autocast"
@@ -38,6 +38,7 @@ PINNED = frozenset({
     "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
     "select_and_gather_add", "argsort",
 })
+
 
 @dataclasses.dataclass(frozen=True)
 class Region:
@@ -133,6 +134,12 @@ def apply_markers(region: Region, markers) -> Region:
             changes["cast_inputs"] = np.dtype(fields["cast_inputs"]) if region.enabled else None
         region = dataclasses.replace(region, **changes)
     return region
+
+
+def is_floating(aval) -> bool:
+    """True for an abstract value (or array) of a real floating dtype."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def is_castable(dtype) -> bool:

@@ -304,9 +304,13 @@ class Call:
         """Where each leaf of the NNX slot `index` comes from when nothing changed it: the
         call's traced inputs, or its Python value."""
         start, stop = self._slot_ranges[index]
-        position = {leaf: len(self.traced) + k for k, leaf in enumerate(self.state_traced)}
-        return [("in", position[i]) if is_array(self.state_leaves[i])
+        return [("in", self._input_position[i]) if is_array(self.state_leaves[i])
                 else ("value", self.state_leaves[i]) for i in range(start, stop)]
+
+    @functools.cached_property
+    def _input_position(self) -> dict[int, int]:
+        # state leaf -> its position among `inputs`
+        return {leaf: len(self.traced) + k for k, leaf in enumerate(self.state_traced)}
 
     @functools.cached_property
     def _slot_ranges(self) -> list[tuple[int, int]]:

@@ -168,7 +168,7 @@ class _Frame:
             if substitute is not None:
                 return substitute
             # As a numpy value of the literal's type, so casts of it stay literals.
-            return np.asarray(atom.val, dtype=atom.aval.dtype) if _is_floating(atom.aval) \
+            return np.asarray(atom.val, dtype=atom.aval.dtype) if rules.is_floating(atom.aval) \
                 else atom.val
         return self.env[atom]
 
@@ -204,7 +204,7 @@ class _Frame:
         return cast(value, dtype)
 
     def operand(self, atom) -> rules.Operand:
-        if not _is_floating(atom.aval):
+        if not rules.is_floating(atom.aval):
             return rules.Operand(None, None)
         return rules.Operand(dtype_of(self.read(atom)), np.dtype(atom.aval.dtype),
                              follows=self.follows(atom), constant=self.constant(atom))
@@ -214,7 +214,7 @@ class _Frame:
         name = eqn.primitive.name
         outs = eqn.outvars
         inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
-                  and _is_floating(a.aval)]
+                  and rules.is_floating(a.aval)]
         if linear:
             self.linear.update(outs)
         if name in primitives.MOVES and inputs:
@@ -223,15 +223,15 @@ class _Frame:
                 self.weights.update((o, origin) for o in outs)
             # jnp converts a weak scalar to a strong one of its dtype before using it, and
             # broadcasts it weak: both stay scalar-like (a strong array broadcast is not).
-            if all(self.follows(a) for a in eqn.invars if _is_floating(a.aval)) and all(
+            if all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval)) and all(
                     not o.aval.shape or getattr(jx.typeof(v), "weak_type", False)
                     for o, v in zip(outs, values)):
                 self.scalar_like.update(outs)
             if name == "reshape" and inputs[0] in self.linear:
                 self.linear.update(outs)  # flax's Conv reshapes its output before the bias
-        known = _propagated_constant(name, [self.constant(a) for a in eqn.invars if
-                                            _is_floating(getattr(a, "aval", None))])
-        if known is not None and len(outs) == 1 and _is_floating(outs[0].aval):
+        known = _propagated_constant(name, [self.constant(a) for a in eqn.invars
+                                            if rules.is_floating(a.aval)])
+        if known is not None and len(outs) == 1 and rules.is_floating(outs[0].aval):
             known = known.astype(outs[0].aval.dtype)
             if np.isfinite(known):
                 self.constants[outs[0]] = known
@@ -240,11 +240,11 @@ class _Frame:
 
 def _weak_scalar(aval) -> bool:
     return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
-            and _is_floating(aval))
+            and rules.is_floating(aval))
 
 
 def _size(atom) -> int:
-    return int(np.prod(atom.aval.shape)) if atom is not None else 0
+    return int(np.prod(atom.aval.shape))
 
 
 # Ops whose result holds only values of their floating operands (moved, selected, negated):
@@ -280,11 +280,6 @@ def saturate(value, dtype):
     return lax.select(lax.is_finite(value), lax.clamp(low, value, high), value)
 
 
-def _is_floating(aval) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
 def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]:
     name = eqn.primitive.name
     if name == "convert_element_type":
@@ -301,7 +296,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
                    for v in values]
         return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
                                          for v, t in zip(values, targets)])
-    floating = [_is_floating(a.aval) for a in eqn.invars]
+    floating = [rules.is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
         return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
     operands = [frame.operand(a) for a in eqn.invars]
@@ -325,7 +320,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
         outs = jx.bind(eqn, params, invals)
-        return frame.note(eqn, [cast(o, result) if _is_floating(o) else o for o in outs])
+        return frame.note(eqn, [cast(o, result) if rules.is_floating(o) else o for o in outs])
     return frame.note(eqn, jx.bind(eqn, params, invals), linear)
 
 

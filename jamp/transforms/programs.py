@@ -171,7 +171,7 @@ class _Trace:
         def result_source(leaf) -> Source:
             if id(leaf) in objects and not boundary.is_array(leaf):
                 return ("object", objects[id(leaf)])
-            if isinstance(leaf, (jax.Array, np.ndarray)):
+            if _is_output_array(leaf):
                 return output(leaf)
             if not boundary.is_immutable(leaf):
                 self.cacheable = False  # a mutable object must be this call's own
@@ -185,7 +185,7 @@ class _Trace:
         for index, value in enumerate(after_values):
             value_leaves, value_tree = jax.tree_util.tree_flatten(value)
             sources = [("in", inputs[id(leaf)]) if id(leaf) in inputs and not changed
-                       else output(leaf) if isinstance(leaf, (jax.Array, np.ndarray))
+                       else output(leaf) if _is_output_array(leaf)
                        else ("value", leaf) for leaf in value_leaves]
             if changed or sources != call.slot_sources(index):
                 self.writes.append((index, value_tree, sources))
@@ -195,6 +195,11 @@ class _Trace:
             self.adopted = [o for o in after.objects() if id(o) not in known]
         self.state_after = after
         return outputs
+
+
+def _is_output_array(x) -> bool:
+    # What a traced program can output; numpy scalars are Python values, handed back as they are.
+    return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _structure(state: nnx_state.State) -> list:
