@@ -19,7 +19,8 @@ The defaults follow torch's autocast op reference for each device, mapped to the
 
 - "cuda" (alias "gpu"), float16 by default: matmuls and convolutions lower; the transcendental,
   power and reduction primitives behind torch's float32 list (softmax, log_softmax, layer_norm,
-  the losses and norms are composites of these) in float32.
+  the losses and norms are composites of these) in float32, and linear algebra and FFT, which
+  have no half-precision kernels, in float32.
 - "cpu", bfloat16 by default: matmuls and convolutions lower; torch's CPU float32 list maps to
   products, linear algebra and FFT. torch's CPU list has no `exp`, `log` or
   `sum`: softmax, log and exp of bfloat16 values stay in bfloat16, and sums return bfloat16
@@ -80,7 +81,9 @@ _CUDA_FP32_OPS = (
 # torch CPU float32 list -> primitives: prod (not cumprod: torch returns bfloat16 for it), the
 # linear algebra (cholesky*, inverse, lu_solve, qr, svd, eig*, triangular_solve, lstsq, ...)
 # and fft_*. Losses on the CPU list are composites whose primitives are not listed here (a
-# documented deviation: their logs/exps follow their inputs).
+# documented deviation: their logs/exps follow their inputs). The same linear algebra and FFT
+# are float32 on the cuda and tpu tables too: LAPACK, cuSOLVER and XLA's FFT have no half
+# precision kernels (torch's CUDA autocast leaves them off its lists and raises for float16).
 _LINALG_FFT_OPS = (
     "cholesky", "triangular_solve", "lu", "qr", "householder_product", "geqrf", "svd",
     "eigh", "eig", "schur", "hessenberg", "tridiagonal_solve", "fft",
@@ -192,7 +195,7 @@ def _table(device_type: str, dtype, fp32_ops, accumulate_ops=()) -> OpTable:
 
 
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
-    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS),
+    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
     "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS),
     "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
 })

@@ -15,6 +15,7 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import jax
+from jax import lax
 from jax.extend import core as jex_core
 
 # jax.extend.core: the jaxpr data types the interpreter walks (public, but "extend" stability).
@@ -295,6 +296,23 @@ def has_batch_dimensions(eqn: JaxprEqn) -> bool:
         return False
     (_, _), (lhs_batch, rhs_batch) = numbers
     return bool(len(lhs_batch) or len(rhs_batch))
+
+
+_FULL_PRECISION_ALGORITHMS = ("F32_F32_F32", "F64_F64_F64")
+
+
+def asks_full_precision(params: dict) -> bool:
+    """True for a matmul or convolution written with `precision=lax.Precision.HIGHEST` (for
+    either operand) or a float32/float64 dot algorithm: what `jnp.linalg`'s composites (`pinv`,
+    `lstsq`, `solve`, `inv`) and `jax.scipy.linalg.expm` ask of their inner matmuls."""
+    precision = params.get("precision")
+    values = precision if isinstance(precision, (tuple, list)) else (precision,)
+    for value in values:
+        if value == lax.Precision.HIGHEST:
+            return True
+        if isinstance(value, lax.DotAlgorithmPreset) and value.name in _FULL_PRECISION_ALGORITHMS:
+            return True
+    return False
 
 
 def declares_result_types(params: dict) -> bool:

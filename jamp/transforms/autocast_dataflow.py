@@ -13,7 +13,8 @@ stays as it is and is cast to float32 where the chain reads it, so only the kern
 changes. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
 computed in float32 for every use. A nested `jit` (or custom_jvp, remat) on the chain takes
 float32 inputs: given those, its elementwise ops run in float32 (its matmuls still lower), and
-many jnp functions (`jnp.clip`, `jnp.where`) are such jits.
+many jnp functions (`jnp.clip`, `jnp.where`) are such jits. A matmul that asks for full precision
+(`precision=HIGHEST`, as `jnp.linalg`'s composites write their inner matmuls) is a float32 op too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER
 from jamp.policy.primitives import CALLS, CHAIN, REDUCTIONS
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms.autocast_rules import Region, is_castable, is_floating
@@ -53,7 +54,10 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
             continue
         name = eqn.primitive.name
         rule = region.table.rule(name)
-        seed = rule == FP32
+        # A matmul written for full precision (jnp.linalg's composites ask for HIGHEST inside
+        # pinv, lstsq, solve, inv) is a float32 op: torch's linear algebra kernels compute
+        # in float32 throughout.
+        seed = rule == FP32 or (rule == LOWER and jx.asks_full_precision(eqn.params))
         feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32)
                  and any(demanded(v) for v in eqn.outvars))
         if not (seed or feeds):

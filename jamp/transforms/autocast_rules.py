@@ -179,7 +179,7 @@ class Operand:
 
 def input_targets(primitive_name: str, region: Region, operands: Sequence[Operand], *,
                   float32: bool = False, traced_only: bool = False,
-                  wide_operand: bool = False) -> list[np.dtype | None]:
+                  wide_values: bool = False) -> list[np.dtype | None]:
     """The dtype each input is cast to (None: left as is).
 
     Args:
@@ -188,12 +188,13 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
       operands: one per input.
       float32: the equation computes operands of a float32 op (see `float32_equations`).
       traced_only: the equation must see its traced dtypes (its params declare them).
-      wide_operand: an input is float64 or complex: the op runs as the program wrote it, so a
-        float32 operand is never rounded down to meet a float64 one.
+      wide_values: an input or result is float64 or complex: the op runs as the program wrote
+        it, so a float32 operand is never rounded down to meet a float64 one, and the parts of
+        a complex number (`lax.complex`, which takes float32 or float64) keep their type.
     """
     castable = [o.castable for o in operands]
     traced = [o.traced for o in operands]
-    if (traced_only or wide_operand or primitive_name in PINNED
+    if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced)]
     if float32 and region.enabled:

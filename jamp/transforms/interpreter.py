@@ -303,10 +303,10 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     bias = _bias(eqn, frame) if name == "add" else None
     if bias is not None:
         operands[bias] = dataclasses.replace(operands[bias], follows=True)
+    wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
     targets = rules.input_targets(
         name, region, operands, float32=float32,
-        traced_only=jx.declares_result_types(eqn.params),
-        wide_operand=any(_is_wide(a.aval) for a in eqn.invars))
+        traced_only=jx.declares_result_types(eqn.params), wide_values=wide)
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway).
@@ -315,7 +315,11 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     first = floating.index(True)
     result = dtype_of(invals[first])
     linear = result in _BELOW_FP32 and _is_linear_layer(eqn, region, frame)
-    params = jx.with_result_dtype(eqn.params, operands[first].traced, result)
+    # A result-dtype param (a matmul's preferred_element_type) that restates the traced
+    # operands' promoted type follows the dtype the op now runs in: a lowered matmul of a
+    # bfloat16 and a float32 input returns bfloat16, as torch's does.
+    traced = rules.widest(o.traced for o in operands if o.traced is not None)
+    params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
     if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
