@@ -28,7 +28,7 @@ from jax.extend import core as jex_core
 # Ops that move, reshape or relabel values without computing new ones.
 MOVES = frozenset({
     "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice", "dynamic_slice",
-    "convert_element_type", "copy", "pvary",
+    "convert_element_type", "copy", "pvary", "split",
 })
 # Elementwise math.
 ELEMENTWISE = frozenset({
@@ -39,6 +39,8 @@ ELEMENTWISE = frozenset({
     "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "select_n", "clamp",
     "stop_gradient",
 })
+# Ops that join whole arrays into one (`jnp.stack` is its own primitive in some JAX versions).
+ASSEMBLES = frozenset({"concatenate", "stack"})
 # Ops that pass one of their operands through as the result.
 SELECTIONS = frozenset({"select_n", "clamp", "max", "min"})
 # Reductions that shrink their operand, and those across devices (which keep its shape).
@@ -46,8 +48,8 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"}
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 # What one torch kernel computes from its inputs, as a chain of primitives.
-CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE
-         | frozenset({"concatenate", "pad", "gather"}))
+CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE | ASSEMBLES
+         | frozenset({"pad", "gather"}))
 # Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat).
 CALLS = frozenset({"jit", "closed_call", "custom_jvp_call", "remat2"})
 

@@ -168,6 +168,16 @@ def custom_call_body(params: dict) -> ClosedJaxpr:
     return params["call_jaxpr"]
 
 
+def call_body(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The body of a call: `jit`, `closed_call`, `custom_jvp_call` or `remat2`."""
+    name = eqn.primitive.name
+    if name == "remat2":
+        return remat_body(eqn.params)
+    if name == "custom_jvp_call":
+        return custom_call_body(eqn.params)
+    return _as_closed(eqn.params[call_body_key(eqn.params)])
+
+
 def custom_call_num_consts(params: dict) -> int:
     return params["num_consts"]
 

@@ -40,7 +40,7 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
     for eqn in eqns:
         uses.update(v for v in eqn.invars if _is_var(v))
     uses.update(v for v in jaxpr.outvars if _is_var(v))  # used by the caller, at full size
-    reduced = _reduced_values(eqns)
+    reduced = statistics(jaxpr)
 
     demanded_uses: Counter = Counter()
 
@@ -67,16 +67,23 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
     return frozenset(result)
 
 
-def _reduced_values(eqns) -> set:
-    """Values computed from reductions alone: statistics, cheap to hold in float32."""
+def statistics(jaxpr: jx.Jaxpr) -> frozenset:
+    """Values computed from reductions alone (means, variances, maxima, a scale made of them):
+    small, and cheap to hold in float32."""
     reduced: set = set()
-    for eqn in eqns:
+    for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         inputs = [v for v in eqn.invars if _is_var(v) and is_floating(v.aval)]
+        # Scalars (a count, `ddof`) may join a statistic: `jnp.var` divides by `n - ddof`.
         if name in REDUCTIONS or (
-                name in CHAIN and inputs and all(v in reduced for v in inputs)):
+                name in (CHAIN | CALLS) and any(v in reduced for v in inputs)
+                and all(v in reduced or not v.aval.shape for v in inputs)):
             reduced.update(eqn.outvars)
-    return reduced
+        elif name in CALLS:  # jnp.var and jnp.mean are jits
+            body = jx.call_body(eqn).jaxpr
+            inner = statistics(body)
+            reduced.update(o for o, b in zip(eqn.outvars, body.outvars) if b in inner)
+    return frozenset(reduced)
 
 
 def _is_var(atom) -> bool:

@@ -18,8 +18,9 @@ of a float32 op (they run in float32 too). While it is evaluated, the interprete
 about values (`_Frame`): which are scalar-like (literals and what is broadcast from them: they
 follow the other operand), which are constants of the program (such a constant never rounds to
 infinity in the low dtype), which are weights (inputs, moved or reshaped), and which hold the
-low result of a linear layer, a matmul or convolution of a weight (a weight added to it as a
-bias follows its dtype, as torch's `linear` includes the bias).
+low values of a linear layer's kernel: a matmul or convolution of a weight, and the pointwise
+ops torch computes inside the same kernel (`linear`'s bias, an RNN cell's gates). A weight that
+such a value is added to as a bias, or that it scales or gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
@@ -149,7 +150,7 @@ class _Frame:
         # Inputs of the jaxpr and values moved out of them, with the size of the input they
         # come from (a bias broadcast to a layer's output is smaller there).
         self.weights: dict = {}
-        self.linear: set = set()     # low results of a linear layer (see `_bias`)
+        self.kernel: set = set()     # low values of a linear layer's kernel (see `_follower`)
 
     def bind(self, variables, values, constants=None) -> None:
         self.env.update(zip(variables, values))
@@ -179,10 +180,11 @@ class _Frame:
 
     def follows(self, atom) -> bool:
         """Python-scalar-like: a rank-0 literal (a jaxpr's literals have lost their weak type),
-        a weak-typed rank-0 value, or a weak-typed broadcast of one (`jnp.where`'s scalar)."""
+        a weak-typed rank-0 value, a weak-typed broadcast of one (`jnp.where`'s scalar), or a
+        constant of the program (`jnp.tril`'s zeros: a literal broadcast)."""
         if isinstance(atom, jx.Literal):
             return np.ndim(atom.val) == 0
-        return (atom in self.scalar_like or _weak_scalar(atom.aval)
+        return (atom in self.scalar_like or atom in self.constants or _weak_scalar(atom.aval)
                 or _weak_scalar(jx.typeof(self.env[atom])))
 
     def read_cast(self, atom, dtype, saturating: bool = False):
@@ -209,26 +211,35 @@ class _Frame:
         return rules.Operand(dtype_of(self.read(atom)), np.dtype(atom.aval.dtype),
                              follows=self.follows(atom), constant=self.constant(atom))
 
-    def note(self, eqn, values: Sequence[Any], linear: bool = False) -> list:
-        """Records what is known of a first-order equation's outputs (`values`, returned)."""
+    def note(self, eqn, values: Sequence[Any], kernel: bool = False) -> list:
+        """Records what is known of a first-order equation's outputs (`values`, returned).
+        `kernel`: they are low values of a linear layer's kernel."""
         name = eqn.primitive.name
         outs = eqn.outvars
         inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
                   and rules.is_floating(a.aval)]
-        if linear:
-            self.linear.update(outs)
-        if name in primitives.MOVES and inputs:
-            if all(a in self.weights for a in inputs):
-                origin = min(self.weights[a] for a in inputs)
-                self.weights.update((o, origin) for o in outs)
+        if kernel:
+            self.kernel.update(outs)
+        # Weights moved or concatenated are weights (flax's OptimizedLSTMCell concatenates
+        # its gates' kernels and biases).
+        if (name in primitives.MOVES or name in primitives.ASSEMBLES) and inputs and all(
+                a in self.weights for a in inputs):
+            origin = min(self.weights[a] for a in inputs)
+            self.weights.update((o, origin) for o in outs)
+        floating_follow = all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval))
+        if name in primitives.MOVES:
             # jnp converts a weak scalar to a strong one of its dtype before using it, and
-            # broadcasts it weak: both stay scalar-like (a strong array broadcast is not).
-            if all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval)) and all(
+            # broadcasts it weak: both stay scalar-like (a strong array broadcast is not), as
+            # does an integer scalar converted (a count).
+            if floating_follow and all(
                     not o.aval.shape or getattr(jx.typeof(v), "weak_type", False)
                     for o, v in zip(outs, values)):
                 self.scalar_like.update(outs)
-            if name == "reshape" and inputs[0] in self.linear:
-                self.linear.update(outs)  # flax's Conv reshapes its output before the bias
+        elif name in primitives.ELEMENTWISE and floating_follow and all(
+                not o.aval.shape for o in outs):
+            # Scalar math on scalars (`jnp.log2`'s log(2), `jnp.var`'s n - ddof) is a Python
+            # scalar computed in the program.
+            self.scalar_like.update(outs)
         known = _propagated_constant(name, [self.constant(a) for a in eqn.invars
                                             if rules.is_floating(a.aval)])
         if known is not None and len(outs) == 1 and rules.is_floating(outs[0].aval):
@@ -249,9 +260,8 @@ def _size(atom) -> int:
 
 # Ops whose result holds only values of their floating operands (moved, selected, negated):
 # a constant stays a constant, with the same largest magnitude.
-_CONSTANT_PRESERVING = primitives.MOVES | frozenset({
-    "gather", "neg", "abs", "stop_gradient", "select_n", "concatenate", "pad", "max", "min",
-    "clamp",
+_CONSTANT_PRESERVING = primitives.MOVES | primitives.ASSEMBLES | frozenset({
+    "gather", "neg", "abs", "stop_gradient", "select_n", "pad", "max", "min", "clamp",
 })
 
 
@@ -300,21 +310,24 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     if not any(floating):
         return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
     operands = [frame.operand(a) for a in eqn.invars]
-    bias = _bias(eqn, frame) if name == "add" else None
-    if bias is not None:
-        operands[bias] = dataclasses.replace(operands[bias], follows=True)
+    follower = _follower(eqn, frame)
+    if follower is not None:
+        operands[follower] = dataclasses.replace(operands[follower], follows=True)
     wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
     targets = rules.input_targets(
         name, region, operands, float32=float32,
         traced_only=jx.declares_result_types(eqn.params), wide_values=wide)
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
-    # large would overflow the layer's result anyway).
+    # large would overflow the layer's result anyway). A scale is cast plainly.
+    bias = follower if name in _ADDITIVE else None
     invals = [frame.read_cast(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets))]
     first = floating.index(True)
     result = dtype_of(invals[first])
-    linear = result in _BELOW_FP32 and _is_linear_layer(eqn, region, frame)
+    kernel = result in _BELOW_FP32 and (_is_linear_layer(eqn, region, frame) or (
+        name in _EPILOGUE and any(a in frame.kernel for a in eqn.invars
+                                  if not isinstance(a, jx.Literal))))
     # A result-dtype param (a matmul's preferred_element_type) that restates the traced
     # operands' promoted type follows the dtype the op now runs in: a lowered matmul of a
     # bfloat16 and a float32 input returns bfloat16, as torch's does.
@@ -325,7 +338,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
         outs = jx.bind(eqn, params, invals)
         return frame.note(eqn, [cast(o, result) if rules.is_floating(o) else o for o in outs])
-    return frame.note(eqn, jx.bind(eqn, params, invals), linear)
+    return frame.note(eqn, jx.bind(eqn, params, invals), kernel)
 
 
 def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
@@ -340,18 +353,34 @@ def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
             and kernel in frame.weights and not jx.has_batch_dimensions(eqn))
 
 
-def _bias(eqn, frame: _Frame) -> int | None:
-    """The index of the bias in `linear layer result + bias`, or None. A bias is a weight
-    smaller than the result (broadcast by the add's size-1 axes or a broadcast_in_dim): it
-    follows the result's dtype, as torch's linear, conv and addmm add their bias inside the
-    low-precision kernel."""
-    a, b = eqn.invars
-    if isinstance(a, jx.Literal) or isinstance(b, jx.Literal):
+# What torch computes inside a linear layer's kernel after its matmul: pointwise math and moves.
+_EPILOGUE = primitives.ELEMENTWISE | primitives.MOVES
+# A full-size value added to a layer's result is a residual or a mask (torch adds those outside
+# the kernel, so they promote); only a bias is part of it. A value the result multiplies or
+# divides is a scale or a gated state, at any size. Other ops promote as usual.
+_ADDITIVE = frozenset({"add", "sub", "add_any"})
+_SCALING = frozenset({"mul", "div"})
+
+
+def _follower(eqn, frame: _Frame) -> int | None:
+    """The operand that follows a linear layer's low dtype in this op, or None.
+
+    torch's lower-precision kernels include pointwise work after their matmul: `linear`, conv
+    and `addmm` add a bias; RNN/GRU/LSTM cells add two, then gate their state with the
+    results. Here that work is separate ops on a kernel value (see `_Frame.kernel`); a weight
+    they combine it with follows its dtype: added, when it is smaller than the result (a
+    bias, broadcast); multiplied or divided, at any size (a scale, a cell state gated).
+    """
+    name = eqn.primitive.name
+    if name not in _ADDITIVE | _SCALING:
         return None
-    for result, bias, i in ((a, b, 1), (b, a, 0)):
-        if (result in frame.linear and bias in frame.weights
-                and frame.weights[bias] < _size(eqn.outvars[0])):
-            return i
+    atoms = [a for a in eqn.invars if rules.is_floating(a.aval)]
+    if len(atoms) != 2 or any(isinstance(a, jx.Literal) for a in atoms):
+        return None
+    for value, other in ((atoms[0], atoms[1]), (atoms[1], atoms[0])):
+        if value in frame.kernel and other not in frame.kernel and other in frame.weights and (
+                name not in _ADDITIVE or frame.weights[other] < _size(eqn.outvars[0])):
+            return eqn.invars.index(other)
     return None
 
 

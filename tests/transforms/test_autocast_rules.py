@@ -142,8 +142,11 @@ def test_weak_typed_argument_follows(variant):
     f = raw(lambda x, w, s: (x @ w) * s, device_type="cpu")
     # jnp.asarray(3.0) is weak-typed, like the Python scalar it came from: it follows.
     assert variant(f)(X, W, jnp.asarray(3.0)).dtype == BF16
-    # A float32 scalar array with a dtype of its own promotes like any float32 array.
-    assert variant(f)(X, W, jnp.asarray(3.0, jnp.float32)).dtype == F32
+    # A float32 scalar array with a dtype of its own promotes like any float32 array...
+    g = raw(lambda x, s: x.astype(jnp.bfloat16) * s, device_type="cpu")
+    assert variant(g)(X, jnp.asarray(3.0, jnp.float32)).dtype == F32
+    # ...but a weight that scales a linear layer's result follows it (torch's kernel epilogue).
+    assert variant(f)(X, W, jnp.asarray(3.0, jnp.float32)).dtype == BF16
     # A Python float argument is static (not traced): it behaves like a literal.
     assert f(X, W, 3.0).dtype == BF16
 

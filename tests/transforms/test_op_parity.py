@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
+from flax import nnx
 from jax import lax
 
 import jamp
@@ -92,3 +94,70 @@ def test_linear_algebra_composites_compute_in_float32(name, device_type, variant
     loss = lambda g: lambda a, x: jnp.sum(g(a, x))
     np.testing.assert_allclose(variant(jax.grad(loss(f)))(A, x), jax.grad(loss(fn))(A, x),
                                rtol=5e-2, atol=5e-2)
+
+
+# -- item 2: lower-list ops return the low dtype, bias and gates included ----------------------
+
+CELLS = {
+    "LSTMCell": lambda: nn.LSTMCell(8),
+    "OptimizedLSTMCell": lambda: nn.OptimizedLSTMCell(8),
+    "GRUCell": lambda: nn.GRUCell(8),
+    "SimpleCell": lambda: nn.SimpleCell(8),
+}
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", sorted(CELLS))
+def test_rnn_cells_return_the_low_dtype(name, device_type, variant):
+    cell = CELLS[name]()
+    x = X[:2]
+    carry = cell.initialize_carry(jax.random.key(0), x.shape)
+    params = cell.init(jax.random.key(1), carry, x)
+    f = raw(cell.apply, device_type=device_type)
+    new_carry, y = variant(f)(params, carry, x)
+    low = LOW[device_type]
+    assert {a.dtype for a in jax.tree.leaves((new_carry, y))} == {low}
+    want = jax.tree.leaves(cell.apply(params, carry, x))
+    for got, ref in zip(jax.tree.leaves((new_carry, y)), want):
+        np.testing.assert_allclose(got.astype(F32), ref, rtol=5e-2, atol=5e-2)
+
+
+def test_nnx_lstm_cell_returns_the_low_dtype(variant):
+    cell = nnx.LSTMCell(4, 8, rngs=nnx.Rngs(0))
+    x = X[:2]
+    carry = cell.initialize_carry(x.shape, nnx.Rngs(1))
+    f = raw(lambda cell, carry, x: cell(carry, x), device_type="cpu")
+    assert {a.dtype for a in jax.tree.leaves(variant(f)(cell, carry, x))} == {BF16}
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("op", [
+    lambda x, w, b: x @ w.T + b,                       # linear
+    lambda x, w, b: b + jnp.dot(x, w.T),               # addmm(bias, x, w.T)
+    lambda x, w, b: jnp.einsum("bij,bjk->ik", jnp.stack([x, x]), jnp.stack([w.T, w.T])) + b,
+    lambda x, w, b: (x @ w.T + b) * w[0],              # a scale inside the kernel
+], ids=["linear", "addmm", "addbmm", "scaled"])
+def test_linear_ops_with_a_bias_return_the_low_dtype(op, device_type, variant, inspect):
+    low = LOW[device_type]
+    b = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
+    for x in (X, X.astype(low)):  # float32 inputs, and a low input mixed in
+        f = raw(op, device_type=device_type)
+        assert variant(f)(x, W, b).dtype == low
+        text = jax.jit(f).lower(x, W, b).as_text()
+        assert set(inspect.hlo_op_types(text, "add")) == {(low.name,)}
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_conv_with_bias_returns_the_low_dtype(device_type, variant):
+    conv = nn.Conv(4, (3, 3))
+    images = jnp.ones((1, 5, 5, 3))
+    params = conv.init(jax.random.key(0), images)
+    assert variant(raw(conv.apply, device_type=device_type))(params, images).dtype == \
+        LOW[device_type]
+
+
+def test_residuals_and_masks_added_to_a_layer_still_promote(variant):
+    # Full-size values added to a layer's result are added outside torch's kernel.
+    f = raw(lambda x, w, mask: (x + x @ w, x @ w + mask), device_type="cpu")
+    residual, masked = variant(f)(X, W, jnp.where(X > 0, 0.0, -1e9))
+    assert residual.dtype == F32 and masked.dtype == F32
