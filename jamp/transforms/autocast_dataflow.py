@@ -23,7 +23,7 @@ from collections import Counter
 from typing import Sequence
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER
-from jamp.policy.primitives import CALLS, CHAIN, REDUCTIONS
+from jamp.policy.primitives import CALLS, CHAIN, ELEMENTWISE, REDUCTIONS
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms.autocast_rules import Region, is_castable, is_floating
 
@@ -47,6 +47,13 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
     def demanded(var) -> bool:
         return demanded_uses[var] > 0 and (var in reduced or demanded_uses[var] == uses[var])
 
+    seeds = {i for i, (eqn, region) in enumerate(zip(eqns, regions))
+             if _is_seed(eqn, region) and any(_castable(v) for v in eqn.outvars)}
+    # An op that combines a float32 op's result with other values computes in float32 anyway
+    # (it promotes): `shifted - log(sum(exp(shifted)))` in log_softmax, `max(x, 0) +
+    # log1p(...)` in softplus. Its other operands belong to the same kernel.
+    float32_results = {v for i in seeds for v in eqns[i].outvars}
+
     result = set()
     for i in reversed(range(len(eqns))):
         eqn, region = eqns[i], regions[i]
@@ -54,17 +61,25 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
             continue
         name = eqn.primitive.name
         rule = region.table.rule(name)
-        # A matmul written for full precision (jnp.linalg's composites ask for HIGHEST inside
-        # pinv, lstsq, solve, inv) is a float32 op: torch's linear algebra kernels compute
-        # in float32 throughout.
-        seed = rule == FP32 or (rule == LOWER and jx.asks_full_precision(eqn.params))
-        feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32)
-                 and any(demanded(v) for v in eqn.outvars))
-        if not (seed or feeds):
+        feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32) and (
+            any(demanded(v) for v in eqn.outvars)
+            or (name in ELEMENTWISE and any(_is_var(v) and v in float32_results
+                                            for v in eqn.invars))))
+        if not (i in seeds or feeds):
             continue
         result.add(i)
         demanded_uses.update(v for v in eqn.invars if _is_var(v) and _castable(v))
     return frozenset(result)
+
+
+def _is_seed(eqn, region: Region) -> bool:
+    """A float32 op. A matmul written for full precision (jnp.linalg's composites ask for
+    HIGHEST inside pinv, lstsq, solve, inv) is one too: torch's linear algebra kernels compute
+    in float32 throughout."""
+    if not region.enabled:
+        return False
+    rule = region.table.rule(eqn.primitive.name)
+    return rule == FP32 or (rule == LOWER and jx.asks_full_precision(eqn.params))
 
 
 def statistics(jaxpr: jx.Jaxpr) -> frozenset:

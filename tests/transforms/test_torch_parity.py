@@ -1,0 +1,103 @@
+"""Autocast against torch's, op by op (see `torch_parity` and `parity_cases`).
+
+The cpu table is held against torch's CPU autocast, run live; the cuda table against torch's
+CUDA lists (no GPU here). Every remaining difference is listed below and in docs/autocast.md
+with its reason: a new disagreement, or a listed one that now agrees, fails the test, so the
+list stays exact.
+"""
+
+import pathlib
+import re
+import warnings
+
+import pytest
+
+import parity_cases
+import torch_parity
+
+pytest.importorskip("torch")
+
+# Measured agreement on the cpu table; the issue's target is 0.95 (see docs/autocast.md for
+# what stands between: mostly torch's CPU float32 list naming losses and pools that JAX builds
+# from ops torch leaves in bfloat16).
+CPU_FLOOR = 0.87
+
+CPU_DEVIATIONS = {
+    # Lower-list kernels whose JAX form is a matmul plus a full-size tensor or no matmul.
+    "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
+    "addmv[float32]", "prelu[float32]", "prelu[mixed]",
+    # Recurrent layers and cells: scan carries keep their type; torch's CPU cells are unlisted.
+    "mkldnn_rnn_layer[float32]", "mkldnn_rnn_layer[mixed]",
+    "LSTMCell[float32]", "LSTMCell[mixed]", "GRUCell[float32]", "GRUCell[mixed]",
+    # torch's CPU float32 list: pools, pads and sorts with no float32 primitive in JAX.
+    "avg_pool3d[mixed]", "max_pool3d[mixed]", "adaptive_avg_pool3d[mixed]",
+    "adaptive_max_pool3d[mixed]", "reflection_pad1d[mixed]", "reflection_pad2d[mixed]",
+    "replication_pad1d[mixed]", "replication_pad2d[mixed]", "replication_pad3d[mixed]",
+    "quantile[mixed]", "nanquantile[mixed]", "trace[mixed]", "ormqr[mixed]",
+    # torch's CPU float32 list: losses built from ops the CPU list leaves in bfloat16.
+    "binary_cross_entropy[mixed]", "binary_cross_entropy_with_logits[mixed]",
+    "cross_entropy_loss[mixed]", "nll_loss[mixed]", "nll_loss2d[mixed]",
+    "poisson_nll_loss[mixed]", "cosine_embedding_loss[mixed]", "hinge_embedding_loss[mixed]",
+    "multi_margin_loss[mixed]", "multilabel_margin_loss[mixed]",
+    "ctc_loss[float32]", "ctc_loss[mixed]",
+    # Matrix-vector and vector products are dot_general like any matmul.
+    "mv[float32]", "dot[float32]", "vdot[float32]", "bilinear[float32]",
+    # Normalizations compute in float32 and return float32 (rsqrt is float32 on this table).
+    "rsqrt[mixed]", "layer_norm[mixed]", "group_norm[mixed]", "batch_norm[mixed]",
+    "batch_norm_train[mixed]", "rms_norm[mixed]", "cosine_similarity[mixed]",
+    # Resampling and scatters run in the dtypes their programs were traced with.
+    "interpolate[mixed]", "index_put[mixed]", "scatter_add[mixed]",
+}
+
+CUDA_DEVIATIONS = {
+    "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
+    "addmv[float32]", "addr[float32]", "prelu[float32]", "prelu[mixed]",
+    "mkldnn_rnn_layer[float32]", "mkldnn_rnn_layer[mixed]",
+    # integer_pow, square and div are not on the float32 list (see docs/autocast.md).
+    "__pow__[mixed]", "reciprocal[mixed]", "__rtruediv__[mixed]",
+    "softplus[mixed]", "pdist[mixed]",
+}
+
+DOCS = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
+
+
+def _quiet(fn, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's and jnp's deprecation chatter
+        return fn(*args)
+
+
+def test_cpu_table_agrees_with_torch_cpu_autocast():
+    verdicts = _quiet(torch_parity.verdicts, parity_cases.CASES)
+    judged = [v for v in verdicts if v.agree is not None]
+    differ = {v.key: v.why for v in judged if not v.agree}
+    new = {k: why for k, why in differ.items() if k not in CPU_DEVIATIONS}
+    assert not new, f"new disagreements with torch: {new}"
+    assert not CPU_DEVIATIONS - set(differ), "listed deviations that now agree"
+    rate = 1 - len(differ) / len(judged)
+    print(f"cpu table: {len(judged) - len(differ)}/{len(judged)} agree ({rate:.1%})")
+    assert rate >= CPU_FLOOR
+
+
+def test_cuda_table_follows_torch_cuda_lists():
+    verdicts = _quiet(torch_parity.cuda_verdicts, parity_cases.CASES)
+    differ = {v.key: v.why for v in verdicts if not v.agree}
+    new = {k: why for k, why in differ.items() if k not in CUDA_DEVIATIONS}
+    assert not new, f"new disagreements with torch's CUDA lists: {new}"
+    assert not CUDA_DEVIATIONS - set(differ), "listed deviations that now agree"
+
+
+def test_every_deviation_is_documented():
+    section = DOCS.read_text().split("### Deviations from torch", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([A-Za-z_0-9]+)`", section))
+    ops = {re.sub(r"\[.*\]$", "", k) for k in CPU_DEVIATIONS | CUDA_DEVIATIONS}
+    assert not ops - named, f"deviations missing from docs/autocast.md: {sorted(ops - named)}"
+
+
+def test_catalogue_covers_torchs_lists():
+    names = [c.name for c in parity_cases.CASES]
+    assert len(names) == len(set(names))
+    lists = {c.list for c in parity_cases.CASES}
+    assert lists == {"lower", "fp32", "none"}
+    assert sum(c.list == "fp32" for c in parity_cases.CASES) >= 70
+    assert sum(c.cuda == "fp32" for c in parity_cases.CASES) >= 40

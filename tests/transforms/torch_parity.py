@@ -1,0 +1,247 @@
+"""Op-by-op parity of jamp's autocast with torch's, measured live.
+
+Each `Case` is one torch op and the JAX code a user writes for it. It is run twice: with float32
+inputs, and with a low-precision input mixed in (the first floating input, or those a case names,
+in bfloat16). torch runs it under `torch.autocast("cpu", dtype=torch.bfloat16)`; jamp runs the JAX
+code under `jamp.autocast(..., device_type="cpu")`. They agree when
+
+1. every output has torch's dtype, and
+2. the transformed program computes no floating op in a dtype narrower than the one torch's
+   kernel computes in: float32 for torch's float32 list (the inner matmuls of `pinv` and the
+   `x - max` of a loss included), the output's dtype otherwise. Half-precision sums that
+   accumulate in float32 are wider, not narrower, and pass; and
+3. for torch's lower-precision list, the matmuls and convolutions run in bfloat16.
+
+The dtypes an op "computes in" are read from the transformed jaxpr: the floating input dtypes of
+each equation that computes values from data (moves, converts and arithmetic on literals alone
+excluded), sub-jaxprs included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jamp
+
+LOW = "bfloat16"
+# torch's lists (shared/reference/autocast-ops.md, CPU), and ops on none of them.
+LISTS = ("lower", "fp32", "none")
+VARIANTS = ("float32", "mixed")
+
+# Equations that move values rather than compute them.
+_MOVES = frozenset({
+    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev",
+    "slice", "dynamic_slice", "copy", "pvary", "expand_dims", "concatenate", "pad", "gather",
+    "dynamic_update_slice", "select_n", "stop_gradient", "copy_p", "iota", "sharding_constraint",
+})
+_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+INPUT_SCOPE = "parity_lowered_input"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One torch op and its JAX counterpart.
+
+    Attributes:
+      name: the op as torch's list names it (or a common name for ops on none).
+      list: "lower", "fp32" or "none": where torch's CPU autocast puts it.
+      torch_fn: takes `torch` and the torch inputs.
+      jax_fn: takes the JAX inputs (the same positions).
+      inputs: numpy values made from a seeded generator: float32 arrays are the floating inputs,
+        integer arrays are passed as int64 (torch) / int32 (JAX), other values as they are.
+      low: positions of the floating inputs made bfloat16 in the "mixed" variant (default: the
+        first floating input).
+      cuda: where torch's CUDA autocast puts it: "lower", "fp32", "promote" or "none".
+    """
+
+    name: str
+    list: str
+    torch_fn: Callable
+    jax_fn: Callable
+    inputs: Callable[[np.random.Generator], Sequence[Any]]
+    low: tuple[int, ...] | None = None
+    cuda: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    case: str
+    variant: str
+    agree: bool | None  # None: torch refuses the inputs (no verdict)
+    why: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.case}[{self.variant}]"
+
+
+def _low_positions(case: Case, values) -> tuple[int, ...]:
+    if case.low is not None:
+        return case.low
+    floating = [i for i, v in enumerate(values) if _is_float_array(v)]
+    return tuple(floating[:1])
+
+
+def _is_float_array(v) -> bool:
+    return isinstance(v, np.ndarray) and v.dtype == np.float32
+
+
+def _is_int_array(v) -> bool:
+    return isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.integer)
+
+
+def torch_dtypes(case: Case, variant: str) -> tuple[str, ...] | None:
+    """torch's output dtypes under CPU autocast, or None when torch refuses the inputs."""
+    import torch
+
+    values = case.inputs(np.random.default_rng(0))
+    low = _low_positions(case, values) if variant == "mixed" else ()
+    args = []
+    for i, v in enumerate(values):
+        if _is_float_array(v):
+            t = torch.from_numpy(v.copy())
+            args.append(t.bfloat16() if i in low else t)
+        elif _is_int_array(v):
+            args.append(torch.from_numpy(v.astype(np.int64)))
+        else:
+            args.append(v)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = case.torch_fn(torch, *args)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(str(o.dtype).removeprefix("torch.") for o in outs
+                 if torch.is_tensor(o) and (o.is_floating_point() or o.is_complex()))
+
+
+def jax_args(case: Case) -> tuple[list[Any], tuple[int, ...]]:
+    """The JAX arguments (floating ones in float32), and the positions the mixed variant
+    lowers."""
+    values = case.inputs(np.random.default_rng(0))
+    args = []
+    for v in values:
+        if _is_float_array(v):
+            args.append(jnp.asarray(v, jnp.float32))
+        elif _is_int_array(v):
+            args.append(jnp.asarray(v, jnp.int32))
+        else:
+            args.append(v)
+    return args, _low_positions(case, values)
+
+
+def _lowered(x):
+    """`x` in bfloat16, as autocast's matmuls leave activations: a low value of a float32
+    program (marked, so that this matmul is not counted as part of the op)."""
+    with jax.named_scope(INPUT_SCOPE):
+        flat = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+        return (flat @ jnp.eye(flat.shape[-1], dtype=x.dtype)).reshape(x.shape)
+
+
+def transformed_jaxpr(case: Case, variant: str, device_type: str = "cpu"):
+    """The jaxpr of the JAX code under autocast.
+
+    In the mixed variant the low inputs are made bfloat16 by autocast itself, inside the
+    program, as a model's activations are: torch's autocast sees the same bfloat16 tensor
+    whether a lowered op or `.bfloat16()` made it, and jamp decides on the traced program,
+    in which a value the user casts is typed by jnp's own rules (see docs/autocast.md).
+    """
+    args, low = jax_args(case)
+    low = low if variant == "mixed" else ()
+    arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+
+    def f(*array_args):
+        full = list(args)
+        for i, a in zip(arrays, array_args):
+            full[i] = _lowered(a) if i in low else a
+        return case.jax_fn(*full)
+
+    g = jamp.autocast(f, device_type=device_type, cast_outputs=False)
+    return jax.make_jaxpr(g)(*[args[i] for i in arrays])
+
+
+def computed_in(closed) -> list[tuple[str, tuple[str, ...]]]:
+    """(primitive, floating input dtypes) of every equation that computes floating values."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+            for sub in subs:
+                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+            if subs or eqn.primitive.name in _MOVES or INPUT_SCOPE in str(
+                    eqn.source_info.name_stack):
+                continue
+            if not any(_floating(v.aval) for v in eqn.outvars):
+                continue
+            dtypes = tuple(np.dtype(v.aval.dtype).name for v in eqn.invars if _floating(v.aval))
+            # Literals alone (a tolerance jnp derives from the input dtype's eps) are no data.
+            if dtypes and not all(isinstance(v, jax.extend.core.Literal) for v in eqn.invars):
+                found.append((eqn.primitive.name, dtypes))
+
+    walk(closed.jaxpr)
+    return found
+
+
+def _floating(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _narrower(dtype: str, than: str) -> bool:
+    a, b = jnp.finfo(dtype), jnp.finfo(than)
+    return a.bits < b.bits or (a.bits == b.bits and dtype != than)
+
+
+def verdict(case: Case, variant: str) -> Verdict:
+    want = torch_dtypes(case, variant)
+    if want is None:
+        return Verdict(case.name, variant, None, "torch refuses these inputs")
+    closed = transformed_jaxpr(case, variant)
+    got = tuple(np.dtype(a.dtype).name for a in closed.out_avals
+                if _floating(a) or jnp.issubdtype(a.dtype, jnp.complexfloating))
+    if got != want:
+        return Verdict(case.name, variant, False, f"outputs {got}, torch {want}")
+    floor = "float32" if case.list == "fp32" else min(
+        (w for w in want if w in ("bfloat16", "float16", "float32")),
+        key=lambda w: jnp.finfo(w).bits, default="float32")
+    ops = computed_in(closed)
+    narrow = sorted({f"{p}{list(d)}" for p, d in ops if any(_narrower(x, floor) for x in d)})
+    if narrow:
+        return Verdict(case.name, variant, False, f"computes below {floor}: {', '.join(narrow)}")
+    if case.list == "lower":
+        wide = sorted({f"{p}{list(d)}" for p, d in ops if p in _MATMULS
+                       and any(x != LOW for x in d)})
+        if wide or not any(p in _MATMULS for p, _ in ops):
+            return Verdict(case.name, variant, False,
+                           f"matmul not in {LOW}: {', '.join(wide) or 'none found'}")
+    return Verdict(case.name, variant, True)
+
+
+def verdicts(cases: Sequence[Case]) -> list[Verdict]:
+    return [verdict(c, v) for c in cases for v in VARIANTS]
+
+
+def cuda_verdict(case: Case, variant: str) -> Verdict:
+    """The cuda table against torch's CUDA lists: an op on the float32 list computes every
+    floating op in float32; an op on the lower list returns float16."""
+    closed = transformed_jaxpr(case, variant, device_type="cuda")
+    if case.cuda == "fp32":
+        narrow = sorted({f"{p}{list(d)}" for p, d in computed_in(closed)
+                         if any(_narrower(x, "float32") for x in d)})
+        if narrow:
+            return Verdict(case.name, variant, False, f"computes below float32: {', '.join(narrow)}")
+    elif case.cuda == "lower":
+        got = tuple(np.dtype(a.dtype).name for a in closed.out_avals if _floating(a))
+        if set(got) != {"float16"}:
+            return Verdict(case.name, variant, False, f"outputs {got}, want float16")
+    return Verdict(case.name, variant, True)
+
+
+def cuda_verdicts(cases: Sequence[Case]) -> list[Verdict]:
+    return [cuda_verdict(c, v) for c in cases if c.cuda in ("fp32", "lower") for v in VARIANTS]
