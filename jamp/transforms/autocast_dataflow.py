@@ -40,7 +40,7 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
     for eqn in eqns:
         uses.update(v for v in eqn.invars if _is_var(v))
     uses.update(v for v in jaxpr.outvars if _is_var(v))  # used by the caller, at full size
-    reduced = statistics(jaxpr)
+    reduced = _statistics(jaxpr)
 
     demanded_uses: Counter = Counter()
 
@@ -82,7 +82,7 @@ def _is_seed(eqn, region: Region) -> bool:
     return rule == FP32 or (rule == LOWER and jx.asks_full_precision(eqn.params))
 
 
-def statistics(jaxpr: jx.Jaxpr) -> frozenset:
+def _statistics(jaxpr: jx.Jaxpr) -> frozenset:
     """Values computed from reductions alone (means, variances, maxima, a scale made of them):
     small, and cheap to hold in float32."""
     reduced: set = set()
@@ -96,7 +96,7 @@ def statistics(jaxpr: jx.Jaxpr) -> frozenset:
             reduced.update(eqn.outvars)
         elif name in CALLS:  # jnp.var and jnp.mean are jits
             body = jx.call_body(eqn).jaxpr
-            inner = statistics(body)
+            inner = _statistics(body)
             reduced.update(o for o, b in zip(eqn.outvars, body.outvars) if b in inner)
     return frozenset(reduced)
 

@@ -226,17 +226,16 @@ class _Frame:
                 a in self.weights for a in inputs):
             origin = min(self.weights[a] for a in inputs)
             self.weights.update((o, origin) for o in outs)
-        floating_follow = all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval))
         if name in primitives.MOVES:
             # jnp converts a weak scalar to a strong one of its dtype before using it, and
             # broadcasts it weak: both stay scalar-like (a strong array broadcast is not), as
             # does an integer scalar converted (a count).
-            if floating_follow and all(
+            if self._all_follow(eqn) and all(
                     not o.aval.shape or getattr(jx.typeof(v), "weak_type", False)
                     for o, v in zip(outs, values)):
                 self.scalar_like.update(outs)
-        elif name in primitives.ELEMENTWISE and floating_follow and all(
-                not o.aval.shape for o in outs):
+        elif (name in primitives.ELEMENTWISE and all(not o.aval.shape for o in outs)
+              and self._all_follow(eqn)):
             # Scalar math on scalars (`jnp.log2`'s log(2), `jnp.var`'s n - ddof) is a Python
             # scalar computed in the program.
             self.scalar_like.update(outs)
@@ -247,6 +246,9 @@ class _Frame:
             if np.isfinite(known):
                 self.constants[outs[0]] = known
         return values
+
+    def _all_follow(self, eqn) -> bool:
+        return all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval))
 
 
 def _weak_scalar(aval) -> bool:
@@ -360,6 +362,7 @@ _EPILOGUE = primitives.ELEMENTWISE | primitives.MOVES
 # divides is a scale or a gated state, at any size. Other ops promote as usual.
 _ADDITIVE = frozenset({"add", "sub", "add_any"})
 _SCALING = frozenset({"mul", "div"})
+_COMBINING = _ADDITIVE | _SCALING
 
 
 def _follower(eqn, frame: _Frame) -> int | None:
@@ -372,7 +375,7 @@ def _follower(eqn, frame: _Frame) -> int | None:
     bias, broadcast); multiplied or divided, at any size (a scale, a cell state gated).
     """
     name = eqn.primitive.name
-    if name not in _ADDITIVE | _SCALING:
+    if name not in _COMBINING:
         return None
     atoms = [a for a in eqn.invars if rules.is_floating(a.aval)]
     if len(atoms) != 2 or any(isinstance(a, jx.Literal) for a in atoms):

@@ -198,6 +198,11 @@ def _narrower(dtype: str, than: str) -> bool:
     return a.bits < b.bits or (a.bits == b.bits and dtype != than)
 
 
+def _below(ops, floor: str) -> list[str]:
+    """The equations of `ops` (see `computed_in`) that compute narrower than `floor`."""
+    return sorted({f"{p}{list(d)}" for p, d in ops if any(_narrower(x, floor) for x in d)})
+
+
 def verdict(case: Case, variant: str) -> Verdict:
     want = torch_dtypes(case, variant)
     if want is None:
@@ -211,7 +216,7 @@ def verdict(case: Case, variant: str) -> Verdict:
         (w for w in want if w in ("bfloat16", "float16", "float32")),
         key=lambda w: jnp.finfo(w).bits, default="float32")
     ops = computed_in(closed)
-    narrow = sorted({f"{p}{list(d)}" for p, d in ops if any(_narrower(x, floor) for x in d)})
+    narrow = _below(ops, floor)
     if narrow:
         return Verdict(case.name, variant, False, f"computes below {floor}: {', '.join(narrow)}")
     if case.list == "lower":
@@ -232,8 +237,7 @@ def cuda_verdict(case: Case, variant: str) -> Verdict:
     floating op in float32; an op on the lower list returns float16."""
     closed = transformed_jaxpr(case, variant, device_type="cuda")
     if case.cuda == "fp32":
-        narrow = sorted({f"{p}{list(d)}" for p, d in computed_in(closed)
-                         if any(_narrower(x, "float32") for x in d)})
+        narrow = _below(computed_in(closed), "float32")
         if narrow:
             return Verdict(case.name, variant, False, f"computes below float32: {', '.join(narrow)}")
     elif case.cuda == "lower":
