@@ -16,6 +16,8 @@ from jamp.policy import (
 from jamp import scaler
 from jamp.scaler import (
     DynamicLossScale,
+    DynamicScale,
+    DynamicScaleResult,
     GradScaler,
     NoOpLossScale,
     StaticLossScale,

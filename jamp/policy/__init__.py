@@ -1,9 +1,21 @@
-"""Dtypes and policies: jmp's `Policy`, pytree casts, and Apex's opt levels.
+"""Dtypes and policies: jmp's `Policy`, pytree casts, Apex's opt levels, and autocast's op
+tables (`OpTable`, `autocast_table`, `DEFAULT_TABLES` and the rules `LOWER`, `FP32`,
+`ACCUMULATE_FP32`).
 
 `import jamp.policy as jmp` runs code written against jmp's policy API.
 """
 
+from jamp.policy.autocast_tables import (
+    ACCUMULATE_FP32,
+    DEFAULT_TABLES,
+    FP32,
+    LOWER,
+    OpTable,
+    autocast_table,
+)
 from jamp.policy.cast import cast_floating, cast_to_full, cast_to_half, is_floating_array
+from jamp.policy.dtypes import DTYPE_NAMES as dtype_to_names
+from jamp.policy.dtypes import NAME_TO_DTYPE as name_to_dtype
 from jamp.policy.dtypes import half_dtype, parse_dtype
 from jamp.policy.opt_levels import (
     OPT_LEVELS,
@@ -15,7 +27,8 @@ from jamp.policy.opt_levels import (
 from jamp.policy.policy import Policy, get_policy
 
 __all__ = [
+    "ACCUMULATE_FP32", "DEFAULT_TABLES", "FP32", "LOWER", "OpTable", "autocast_table",
     "AmpConfigurationWarning", "OPT_LEVELS", "OptLevel", "Policy", "Properties",
-    "cast_floating", "cast_to_full", "cast_to_half", "get_policy", "half_dtype",
-    "is_floating_array", "parse_dtype", "properties",
+    "cast_floating", "cast_to_full", "cast_to_half", "dtype_to_names", "get_policy", "half_dtype",
+    "is_floating_array", "name_to_dtype", "parse_dtype", "properties",
 ]

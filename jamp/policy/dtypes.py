@@ -6,17 +6,49 @@ jmp's spellings are the reference: `full`/`f32`/`float32`, `half`, `f16`/`float1
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+
+
+class _ByDtype(Mapping):
+    """A read-only mapping keyed by dtype that takes any spelling of one as a key.
+
+    jmp's `dtype_to_names` is indexed with `jnp.float16`, `np.float16` or a dtype object alike;
+    those hash differently, so the keys are normalized with `np.dtype` on every lookup.
+    """
+
+    def __init__(self, items: dict[Any, tuple[str, ...]]):
+        self._items = {np.dtype(k): v for k, v in items.items()}
+
+    def __getitem__(self, key: Any) -> tuple[str, ...]:
+        try:
+            dtype = np.dtype(key)
+        except TypeError:
+            raise KeyError(key) from None
+        return self._items[dtype]
+
+    def __iter__(self) -> Iterator[np.dtype]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
 # First name of each tuple is the short form used by `Policy.__str__`.
-DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
-    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
-    np.dtype(jnp.float16): ("f16", "float16", "fp16"),
-    np.dtype(jnp.float32): ("full", "f32", "float32", "fp32"),
-    np.dtype(jnp.float64): ("f64", "float64", "fp64"),
-}
+DTYPE_NAMES: Mapping[Any, tuple[str, ...]] = _ByDtype({
+    jnp.bfloat16: ("bf16", "bfloat16"),
+    jnp.float16: ("f16", "float16", "fp16"),
+    jnp.float32: ("full", "f32", "float32", "fp32"),
+    jnp.float64: ("f64", "float64", "fp64"),
+})
 
 NAME_TO_DTYPE: dict[str, np.dtype] = {
     name: dtype for dtype, names in DTYPE_NAMES.items() for name in names
@@ -57,9 +89,10 @@ def parse_dtype(name: str) -> np.dtype:
     )
 
 
-# Known here only to suggest the fix for near-misses such as "compute_float16".
-# The keys of a policy string (`get_policy`) and the Policy field each names. Kept here so
-# that a dtype name written like a key ("compute=float16" passed as a dtype) gets a hint.
+# The keys of a policy string and the Policy field each names. `get_policy` parses with them;
+# `parse_dtype` reads them to suggest the fix for a key joined to its dtype by something other
+# than "=" ("compute_float16" -> "compute=float16"). Here rather than in policy.py, which
+# imports this module.
 POLICY_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
                "o": "output", "output": "output"}
 

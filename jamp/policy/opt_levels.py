@@ -14,6 +14,7 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
+from jamp._checks import check_bool, parse_loss_scale
 from jamp.policy.dtypes import canonical_floating_dtype
 
 OPTION_NAMES = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
@@ -76,7 +77,7 @@ class Properties:
     """
 
     def __init__(self, strict: bool = False):
-        self.__dict__["strict"] = strict
+        self.__dict__["strict"] = check_bool("strict", strict)
         self.__dict__["options"] = {
             "enabled": False,
             "opt_level": None,
@@ -105,6 +106,11 @@ class Properties:
             raise RuntimeError(message)
         warnings.warn(message, AmpConfigurationWarning, stacklevel=4)
 
+    # The flags are bools (a string such as "False" would count as true). Apex's exception,
+    # kept: keep_batchnorm_fp32 also takes the strings "True" and "False".
+    def _check_enabled(self, value):
+        return check_bool("enabled", value)
+
     def _check_opt_level(self, value):
         if value not in OPT_LEVELS:
             raise _unknown_opt_level(value)
@@ -122,42 +128,35 @@ class Properties:
         return value
 
     def _check_patch_torch_functions(self, value):
+        value = check_bool("patch_torch_functions", value)
         if self.opt_level != "O1" and value:
             self._warn_or_err("patch_torch_functions=True (autocast) should only be set by "
                               "selecting opt_level='O1'.")
         return value
 
     def _check_keep_batchnorm_fp32(self, value):
+        if isinstance(value, str) and value in ("True", "False"):
+            value = value == "True"
+        elif value is not None and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(
+                "keep_batchnorm_fp32 must be True, False, None or the string 'True' or "
+                f"'False', found keep_batchnorm_fp32={value!r}.")
+        value = None if value is None else bool(value)
         if self.opt_level == "O1" and value is not None:
             self._warn_or_err(
                 "With opt_level O1, batch norm statistics already run in float32, so "
                 f"keep_batchnorm_fp32 should be None. keep_batchnorm_fp32 was {value!r}.")
-        if value == "True" or value == "False":
-            return value == "True"
-        if value is True or value is False or value is None:
-            return value
-        raise ValueError(
-            "keep_batchnorm_fp32 must be True, False, None or the string 'True' or "
-            f"'False', found keep_batchnorm_fp32={value!r}.")
+        return value
 
     def _check_master_weights(self, value):
+        value = None if value is None else check_bool("master_weights", value)
         if self.opt_level == "O1" and value is not None:
             self._warn_or_err("master_weights make no sense with O1: with O1 the model "
                               "weights themselves should be float32.")
         return value
 
     def _check_loss_scale(self, value):
-        if value == "dynamic":
-            return value
-        try:
-            scale = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"loss_scale must be 'dynamic', a number or a string holding a number such "
-                f"as '128.0', found loss_scale={value!r}.") from None
-        if not np.isfinite(scale) or scale <= 0:
-            raise ValueError(f"loss_scale must be a positive finite number, found {value!r}.")
-        return scale
+        return parse_loss_scale(value)
 
     def __repr__(self) -> str:
         rows = "\n".join(f"  {k:22} : {v}" for k, v in self.options.items())
@@ -190,8 +189,12 @@ def properties(opt_level: str = "O1", *, strict: bool = False, **overrides) -> P
     Raises:
       RuntimeError: for an unknown opt level (or an inconsistent override when `strict`).
       ValueError: for an unknown option or a malformed value.
+      TypeError: for `strict`, `enabled`, `patch_torch_functions` or `master_weights` given
+        something other than a bool (keep_batchnorm_fp32 also takes Apex's strings "True" and
+        "False").
 
     Example:
+      >>> from jamp.policy import properties
       >>> props = properties("O2", loss_scale="128.0")
       >>> props.cast_model_type, props.loss_scale
       (dtype('float16'), 128.0)

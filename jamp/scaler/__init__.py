@@ -1,9 +1,12 @@
 """Loss scaling: jmp's loss scales, torch's GradScaler and an optax wrapper that skips bad steps.
 
-`import jamp.scaler as jmp` runs code written against jmp's loss-scaling API.
+`import jamp.scaler as jmp` runs code written against jmp's loss-scaling API, and
+`jamp.DynamicScale` is flax's `DynamicScale`.
 """
 
+from jamp._checks import NotScalarBoolError, StateDictKeyError
 from jamp.scaler import serialization as _serialization  # registers the flax state dicts
+from jamp.scaler.dynamic_scale import DynamicScale, DynamicScaleResult
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
     DynamicLossScale,
@@ -19,7 +22,8 @@ from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
 del _serialization
 
 __all__ = [
-    "DynamicLossScale", "GradScaler", "GradScalerState", "LossScale", "LossScaledState",
-    "NoOpLossScale", "ScaledValueAndGrad", "StaticLossScale", "all_finite", "get_loss_scale",
-    "loss_scaled", "scaled_value_and_grad", "select_tree",
+    "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",
+    "LossScale", "LossScaledState", "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad",
+    "StateDictKeyError", "StaticLossScale", "all_finite", "get_loss_scale", "loss_scaled",
+    "scaled_value_and_grad", "select_tree",
 ]

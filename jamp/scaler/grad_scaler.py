@@ -6,8 +6,10 @@ its step. The update is torch's `_amp_update_scale_` rule, the unscale multiplie
 float32 reciprocal of the scale, and `state_dict` / `load_state_dict` speak torch's five keys,
 so a checkpoint moves between torch and jamp in both directions.
 
-Settings are read when a function is traced, as constants: after a `set_*` call, re-trace
-(build the jitted step again) for the change to reach an already compiled function.
+The settings have one home, the `GradScaler`: every state it makes reads them from it, so
+`update`, the state's own `adjust`, `loss_scaled` and `state_dict` always agree, and a `set_*`
+call takes effect at the next update, as in torch (a jitted step traces again when it sees a
+changed scaler).
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from jamp.scaler._checks import (
+from jamp._checks import (
+    StateDictKeyError,
     check_backoff_factor,
+    check_bool,
+    check_count,
     check_growth_factor,
     check_interval,
     check_positive,
     concrete_float,
+    scalar_bool,
 )
-from jamp.scaler.loss_scale import all_finite, map_floating
+from jamp.scaler.loss_scale import all_finite, map_inexact
 
 T = TypeVar("T")
 
@@ -57,32 +64,46 @@ class GradScalerState:
     """The changing part of a `GradScaler`, a pytree; also a loss scale object.
 
     Leaves: `loss_scale` (float32 scalar, torch's `_scale`) and `growth_tracker` (int32 scalar,
-    the count of recent consecutive finite steps). Static: the settings it was made with, so
-    that `scale`, `unscale` and `adjust` work on their own, e.g. inside `loss_scaled`.
+    the count of recent consecutive finite steps). The settings are not copied here: the state
+    reads them from the `GradScaler` that made it, so `scale`, `unscale` and `adjust` work on
+    their own (inside `loss_scaled`, say) and agree with `GradScaler.update`, and a `set_*`
+    call on the scaler reaches its states at their next update, as in torch. The settings in
+    force are part of the pytree's static structure: a jitted step whose scaler was changed
+    traces again rather than run with the old settings.
 
     Attributes:
       loss_scale: the current scale.
       growth_tracker: consecutive finite steps since the last growth or back-off.
-      growth_factor: what the scale is multiplied by after `growth_interval` finite steps.
-      backoff_factor: what the scale is multiplied by after a non-finite step.
-      growth_interval: finite steps needed to grow.
-      enabled: False makes every method a no-op, as a disabled torch GradScaler.
+      scaler: the `GradScaler` whose settings apply.
     """
 
     loss_scale: Any
     growth_tracker: Any
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    enabled: bool = True
+    scaler: "GradScaler" = dataclasses.field(default_factory=lambda: GradScaler())
 
     def tree_flatten(self):
-        meta = (self.growth_factor, self.backoff_factor, self.growth_interval, self.enabled)
-        return (self.loss_scale, self.growth_tracker), meta
+        # The snapshot of the settings makes a changed scaler a different pytree structure.
+        return (self.loss_scale, self.growth_tracker), (self.scaler, self.scaler._settings())
 
     @classmethod
     def tree_unflatten(cls, meta, leaves) -> "GradScalerState":
-        return cls(*leaves, *meta)
+        return cls(*leaves, meta[0])
+
+    @property
+    def growth_factor(self) -> float:
+        return self.scaler.get_growth_factor()
+
+    @property
+    def backoff_factor(self) -> float:
+        return self.scaler.get_backoff_factor()
+
+    @property
+    def growth_interval(self) -> int:
+        return self.scaler.get_growth_interval()
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaler.is_enabled()
 
     def scale(self, outputs: T) -> T:
         """Multiplies the floating leaves of `outputs` by the scale (torch's dtype rule).
@@ -99,10 +120,11 @@ class GradScalerState:
                 return x * self.loss_scale
             return (x * self.loss_scale).astype(x.dtype)
 
-        return map_floating(scale_leaf, outputs)
+        return map_inexact(scale_leaf, outputs)
 
     def unscale(self, grads: T) -> T:
-        """Multiplies the floating leaves of `grads` by the float32 reciprocal of the scale.
+        """Multiplies the floating and complex leaves of `grads` by the float32 reciprocal of
+        the scale.
 
         Half-precision grads are multiplied in float32 and rounded back, as torch's kernel
         does; every grad keeps its dtype. Other leaves pass through.
@@ -123,19 +145,20 @@ class GradScalerState:
             g = jnp.asarray(g)
             if jnp.finfo(g.dtype).bits < 32:
                 return (g.astype(jnp.float32) * inv * post).astype(g.dtype)
-            return g * inv.astype(g.dtype) * post.astype(g.dtype)
+            real = jnp.finfo(g.dtype).dtype  # complex64's parts are float32
+            return g * inv.astype(real) * post.astype(real)
 
-        return map_floating(unscale_leaf, grads)
+        return map_inexact(unscale_leaf, grads)
 
-    def adjust(self, grads_finite: jax.Array) -> "GradScalerState":
+    def adjust(self, grads_finite: Any) -> "GradScalerState":
         """torch's `_amp_update_scale_` rule, with `found_inf = not grads_finite`."""
+        return self._adjusted(jnp.logical_not(scalar_bool("grads_finite", grads_finite)))
+
+    def _adjusted(self, found_inf: jax.Array) -> "GradScalerState":
         if not self.enabled:
             return self
-        found_inf = jnp.logical_not(jnp.asarray(grads_finite))
-        if found_inf.ndim != 0:
-            raise ValueError(f"grads_finite must be a scalar bool, got shape {found_inf.shape}.")
         scale = self.loss_scale
-        successful = self.growth_tracker + 1
+        successful = optax.safe_increment(self.growth_tracker)  # saturates, never wraps
         grow = successful == self.growth_interval
         grown = _times(scale, self.growth_factor)
         on_finite = jnp.where(grow & jnp.isfinite(grown), grown, scale)
@@ -157,22 +180,30 @@ class GradScaler:
       enabled: False makes `scale`, `unscale` and `update` no-ops and `get_scale` 1.0.
 
     Raises:
+      TypeError: a setting of the wrong type (`enabled="false"`, `growth_interval="2000"`).
       ValueError: a setting out of range (checked when enabled, as torch does).
 
     Example:
-      >>> scaler = GradScaler()
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> params = {"w": jnp.array([1.0, -2.0])}
+      >>> loss = lambda p: jnp.sum(p["w"] ** 2)
+      >>> tx = optax.sgd(0.1)
+      >>> opt_state = tx.init(params)
+      >>> scaler = jamp.GradScaler()
       >>> state = scaler.init()
       >>> grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
       >>> grads, found_inf = scaler.unscale(state, grads)
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = select_tree(found_inf, params, optax.apply_updates(params, updates))
+      >>> params = jamp.select_tree(found_inf, params, optax.apply_updates(params, updates))
       >>> state = scaler.update(state, found_inf)
+      >>> params["w"], scaler.get_scale(state)
+      (Array([ 0.8, -1.6], dtype=float32), 65536.0)
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True):
-        self._enabled = bool(enabled)
+        self._enabled = check_bool("enabled", enabled)
         if self._enabled:
             check_positive("init_scale", init_scale)
             check_growth_factor("growth_factor", growth_factor)
@@ -189,13 +220,16 @@ class GradScaler:
                 f"{self._growth_factor!r}, backoff_factor={self._backoff_factor!r}, "
                 f"growth_interval={self._growth_interval!r}, enabled={self._enabled!r})")
 
+    def _settings(self) -> tuple:
+        """The settings in force, hashable: part of every state's pytree structure."""
+        return (float(self._growth_factor), float(self._backoff_factor),
+                int(self._growth_interval), self._enabled)
+
     def _state(self, scale, tracker) -> GradScalerState:
         if not self._enabled:
             scale, tracker = 1.0, 0
-        return GradScalerState(
-            jnp.asarray(scale, jnp.float32), jnp.asarray(tracker, jnp.int32),
-            float(self._growth_factor), float(self._backoff_factor),
-            int(self._growth_interval), self._enabled)
+        return GradScalerState(jnp.asarray(scale, jnp.float32), jnp.asarray(tracker, jnp.int32),
+                               self)
 
     def init(self) -> GradScalerState:
         """A fresh state: the scale at `init_scale` (1.0 when disabled), the tracker at 0."""
@@ -236,14 +270,15 @@ class GradScaler:
         if not self._enabled:
             return state
         if new_scale is not None:
+            if np.size(new_scale) == 1 and np.ndim(new_scale) > 0:
+                new_scale = jnp.reshape(new_scale, ())  # torch's one-element tensor
             check_positive("new_scale", new_scale)
             return self._state(jnp.asarray(new_scale, jnp.float32).reshape(()),
                                state.growth_tracker)
         if found_inf is None:
             raise ValueError("update needs found_inf (from unscale) or a new_scale.")
-        found_inf = jnp.asarray(found_inf).astype(jnp.bool_)
-        current = self._state(state.loss_scale, state.growth_tracker)
-        return current.adjust(jnp.logical_not(found_inf))
+        found_inf = scalar_bool("found_inf", found_inf)
+        return self._state(state.loss_scale, state.growth_tracker)._adjusted(found_inf)
 
     def get_scale(self, state: GradScalerState) -> float:
         """The current scale as a Python float (1.0 when disabled); traced, a float32 scalar."""
@@ -305,7 +340,8 @@ class GradScaler:
 
         Raises:
           RuntimeError: `state_dict` is empty (saved from a disabled scaler), torch's message.
-          KeyError: one of the five keys is missing.
+          StateDictKeyError: one of the five keys is missing (a KeyError and a ValueError).
+          TypeError: a value of the wrong type.
           ValueError: a value out of range.
         """
         if not self._enabled:
@@ -314,18 +350,15 @@ class GradScaler:
             raise RuntimeError(_EMPTY_STATE_DICT)
         missing = [k for k in _STATE_DICT_KEYS if k not in state_dict]
         if missing:
-            raise KeyError(f"GradScaler state dict lacks {missing}; expected {_STATE_DICT_KEYS}.")
+            raise StateDictKeyError(f"GradScaler state dict lacks {missing}; expected "
+                                    f"{list(_STATE_DICT_KEYS)}, got {sorted(state_dict)}.")
         scale = concrete_float(state_dict["scale"])
         check_positive("scale", state_dict["scale"])
         check_growth_factor("growth_factor", state_dict["growth_factor"])
         check_backoff_factor("backoff_factor", state_dict["backoff_factor"])
         interval = check_interval("growth_interval", state_dict["growth_interval"])
         # Any count torch can hold loads, even one past a since lowered growth_interval.
-        tracker = state_dict["_growth_tracker"]
-        if not (concrete_float(tracker) is not None and float(tracker).is_integer()
-                and float(tracker) >= 0):
-            raise ValueError(f"_growth_tracker must be an integer >= 0, got {tracker!r}.")
-        tracker = int(tracker)
+        tracker = check_count("_growth_tracker", state_dict["_growth_tracker"], minimum=0)
         self._init_scale = scale
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])

@@ -4,11 +4,15 @@ and `select_tree`.
 Same fields, defaults, pytree leaves and update rule as jmp, so code written against jmp runs
 by changing the import. Where jamp differs, it is on purpose:
 
-- Only floating leaves are scaled, unscaled and checked; integer, bool and other leaves pass
-  through untouched and never count as non-finite (jmp multiplies every leaf).
+- Only floating and complex leaves are scaled, unscaled and checked (a complex leaf is finite
+  when both its parts are); integer, bool and other leaves pass through untouched and never
+  count as non-finite (jmp multiplies every leaf).
 - `DynamicLossScale` keeps `min_loss_scale` (and Apex's optional `max_loss_scale`) in its static
   pytree metadata, so they survive `jax.jit` (jmp's unflatten resets `min_loss_scale`).
-- Bad settings raise `ValueError` naming the value (jmp accepts them).
+- Settings jmp accepts are accepted (a zero `loss_scale` or `min_loss_scale` included);
+  negative, nan or infinite ones, which jmp would run with, raise `ValueError` naming the value,
+  and a wrong type (a string) `TypeError`. Where jmp asserts (a predicate or flag that is not a
+  scalar bool), jamp raises `NotScalarBoolError`, both a `ValueError` and an `AssertionError`.
 - `StaticLossScale` compares and hashes by value and kind, so one holding a concrete array can
   cross a `jax.jit` boundary as static data.
 """
@@ -24,26 +28,39 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp.policy import is_floating_array
-from jamp.scaler._checks import check_growth_factor, check_interval, check_positive, concrete_float
+from jamp._checks import (
+    NotScalarBoolError,
+    check_growth_factor,
+    check_interval,
+    check_positive,
+    concrete_float,
+    scalar_bool,
+)
 
 T = TypeVar("T")
 
 
-def is_floating(x: Any) -> bool:
-    """True for a floating array (JAX, numpy, tracer) or a Python float."""
-    return is_floating_array(x) or isinstance(x, float)
+def is_inexact(x: Any) -> bool:
+    """True for a floating or complex array (JAX, numpy, tracer) or a Python float/complex.
+
+    These are the leaves a loss scale multiplies and checks: the grads of real and complex
+    parameters alike carry the scale.
+    """
+    if isinstance(x, (float, complex)):
+        return True
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def map_floating(fn, tree: T) -> T:
-    """Applies `fn` to the floating leaves of `tree`; every other leaf is returned as is."""
-    return jax.tree_util.tree_map(lambda x: fn(x) if is_floating(x) else x, tree)
+def map_inexact(fn, tree: T) -> T:
+    """Applies `fn` to the floating and complex leaves of `tree`; others are returned as is."""
+    return jax.tree_util.tree_map(lambda x: fn(x) if is_inexact(x) else x, tree)
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Whether every floating leaf of `tree` is free of inf and nan, as one scalar bool.
 
-    Integer, bool and non-array leaves are ignored; an empty tree is finite. The check runs on
+    A complex leaf counts when both its parts are finite. Integer, bool and non-array leaves
+    are ignored; an empty tree is finite. The check runs on
     the device and folds into a single scalar: no host round trip, no Python branch. Under
     `jax.jit` with sharded leaves the result is one value for all devices.
 
@@ -56,7 +73,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
       A bool array of shape ().
     """
     leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)
-              if is_floating(x) and jnp.size(x)]
+              if is_inexact(x) and jnp.size(x)]
     if not leaves:
         finite = jnp.array(True)
     else:
@@ -72,8 +89,9 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
 def _finite_per_leaf(leaves: list[jax.Array]) -> list[jax.Array]:
     """For each leaf, whether the sum of `x - x` over it is finite.
 
-    `x - x` is 0 for a finite element and nan for inf or nan, so the sum is nan exactly when
-    the leaf holds a non-finite value, and it never overflows. An add-reduction keeps nan in
+    `x - x` is 0 for a finite element and nan for inf or nan (in either part of a complex
+    element), so the sum is nan exactly when the leaf holds a non-finite value, and it never
+    overflows. An add-reduction keeps nan in
     any order of evaluation, where a max-reduction may not (XLA's CPU backend vectorizes max
     with instructions that drop nan).
 
@@ -107,13 +125,14 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
     (step counters held as Python ints, for instance) are kept.
 
     Raises:
-      ValueError: if `pred` is not a scalar bool.
+      NotScalarBoolError: `pred` is not a scalar bool (a `ValueError`, and the
+        `AssertionError` jmp raises).
     """
     pred = jnp.asarray(pred)
     if pred.ndim != 0 or pred.dtype != jnp.bool_:
-        raise ValueError(
-            f"select_tree expects a scalar bool predicate, got shape {pred.shape} and dtype "
-            f"{pred.dtype}.")
+        raise NotScalarBoolError(
+            f"select_tree expected boolean scalar pred, got pred of shape {pred.shape} and "
+            f"dtype {pred.dtype}.")
 
     def pick(x, y):
         if isinstance(x, jax.Array) or isinstance(y, jax.Array) or isinstance(x, np.ndarray):
@@ -175,13 +194,13 @@ class _MultipliesByLossScale:
     loss_scale: Any
 
     def scale(self, tree: T) -> T:
-        """Multiplies the floating leaves of `tree` by the loss scale."""
-        return map_floating(lambda x: x * self.loss_scale, tree)
+        """Multiplies the floating and complex leaves of `tree` by the loss scale."""
+        return map_inexact(lambda x: x * self.loss_scale, tree)
 
     def unscale(self, tree: T) -> T:
-        """Multiplies the floating leaves of `tree` by the reciprocal of the loss scale."""
+        """Multiplies the floating and complex leaves of `tree` by the reciprocal of the scale."""
         inv = 1 / self.loss_scale
-        return map_floating(lambda x: x * inv, tree)
+        return map_inexact(lambda x: x * inv, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +227,8 @@ class StaticLossScale(_MultipliesByLossScale):
     """Scales and unscales by a fixed constant.
 
     Example:
-      >>> ls = StaticLossScale(jnp.float32(128.0))
+      >>> import jax.numpy as jnp, jamp
+      >>> ls = jamp.StaticLossScale(jnp.float32(128.0))
       >>> ls.unscale(ls.scale(jnp.float32(3.0)))
       Array(3., dtype=float32)
     """
@@ -216,7 +236,7 @@ class StaticLossScale(_MultipliesByLossScale):
     loss_scale: Any
 
     def __post_init__(self):
-        check_positive("StaticLossScale.loss_scale", self.loss_scale)
+        check_positive("loss_scale", self.loss_scale, allow_zero=True)
         _warn_if_not_floating(self.loss_scale, "loss_scale")
 
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
@@ -250,11 +270,16 @@ class DynamicLossScale(_MultipliesByLossScale):
     `max_loss_scale` are static.
 
     Example:
-      >>> ls = DynamicLossScale(jnp.float32(2 ** 15))
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> params = jnp.array([1.0, -2.0])
+      >>> loss = lambda p: jnp.sum(p ** 2)
+      >>> ls = jamp.DynamicLossScale(jnp.float32(2 ** 15))
       >>> grads = ls.unscale(jax.grad(lambda p: ls.scale(loss(p)))(params))
-      >>> finite = all_finite(grads)
+      >>> finite = jamp.all_finite(grads)
       >>> ls = ls.adjust(finite)
-      >>> params = select_tree(finite, optax.apply_updates(params, updates), params)
+      >>> params = jamp.select_tree(finite, params - 0.1 * grads, params)
+      >>> params, ls.loss_scale
+      (Array([ 0.8, -1.6], dtype=float32), Array(32768., dtype=float32))
     """
 
     loss_scale: Any
@@ -265,17 +290,17 @@ class DynamicLossScale(_MultipliesByLossScale):
     max_loss_scale: Any = None
 
     def __post_init__(self):
-        check_positive("DynamicLossScale.loss_scale", self.loss_scale)
-        check_interval("DynamicLossScale.period", self.period)
-        check_growth_factor("DynamicLossScale.factor", self.factor)
-        check_positive("DynamicLossScale.min_loss_scale", self.min_loss_scale)
+        check_positive("loss_scale", self.loss_scale, allow_zero=True)
+        check_interval("period", self.period)
+        check_growth_factor("factor", self.factor)
+        check_positive("min_loss_scale", self.min_loss_scale, allow_zero=True)
         if self.max_loss_scale is not None:
-            check_positive("DynamicLossScale.max_loss_scale", self.max_loss_scale)
+            check_positive("max_loss_scale", self.max_loss_scale)
             lo, hi = concrete_float(self.min_loss_scale), concrete_float(self.max_loss_scale)
             if lo is not None and hi is not None and hi < lo:
                 raise ValueError(
-                    f"DynamicLossScale.max_loss_scale must be >= min_loss_scale ({lo}), got "
-                    f"{self.max_loss_scale!r}.")
+                    f"max_loss_scale must be >= min_loss_scale ({lo}), got "
+                    f"max_loss_scale={self.max_loss_scale!r}.")
         _warn_if_not_floating(self.loss_scale, "loss_scale")
         _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
 
@@ -298,9 +323,7 @@ class DynamicLossScale(_MultipliesByLossScale):
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """The next loss scale, given whether this step's grads were finite."""
-        grads_finite = jnp.asarray(grads_finite)
-        if grads_finite.ndim != 0:
-            raise ValueError(f"grads_finite must be a scalar bool, got shape {grads_finite.shape}.")
+        grads_finite = scalar_bool("grads_finite", grads_finite)
         grown = self.loss_scale * self.factor
         if self.max_loss_scale is not None:
             grown = jnp.minimum(grown, self.max_loss_scale)

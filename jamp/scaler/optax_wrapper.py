@@ -17,14 +17,16 @@ into the inner update, which is where the speed comes from. With `skip="cond"` i
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from jamp.scaler._checks import concrete_float
+from jamp._checks import check_bool, check_count, parse_loss_scale
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
     DynamicLossScale,
@@ -71,18 +73,15 @@ def as_loss_scale(loss_scale: Any) -> Any:
         return loss_scale.init()
     if isinstance(loss_scale, _LOSS_SCALE_TYPES):
         return loss_scale
-    if isinstance(loss_scale, str):
-        try:
-            value = float(loss_scale)
-        except ValueError:
-            value = None
-    else:
-        value = concrete_float(loss_scale)  # a number or a concrete 0-d array; not a bool
-    if value is not None:
-        return StaticLossScale(jnp.float32(value))
-    raise ValueError(
-        f"loss_scale must be None, 'dynamic', a positive number, a GradScaler or one of "
-        f"{[t.__name__ for t in _LOSS_SCALE_TYPES]}, got {loss_scale!r}.")
+    if isinstance(loss_scale, (bool, np.bool_)) or not isinstance(
+            loss_scale, (str, numbers.Real, np.ndarray, jax.Array)):
+        raise TypeError(
+            f"loss_scale must be None, 'dynamic', a positive number, a GradScaler or one of "
+            f"{[t.__name__ for t in _LOSS_SCALE_TYPES]}, got loss_scale={loss_scale!r}.")
+    value = parse_loss_scale(loss_scale)
+    if value == "dynamic":
+        return GradScaler().init()
+    return StaticLossScale(jnp.float32(value))
 
 
 def loss_scaled(
@@ -132,12 +131,13 @@ def loss_scaled(
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
 
     Raises:
+      TypeError: an argument of the wrong type (`loss_scale=True`, `report="yes"`).
       ValueError: a bad `loss_scale`, `num_losses` or `skip`.
     """
     if skip not in _SKIP_MODES:
-        raise ValueError(f"skip must be one of {list(_SKIP_MODES)}, got {skip!r}.")
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
-        raise ValueError(f"num_losses must be an integer >= 1, got {num_losses!r}.")
+        raise ValueError(f"skip must be one of {list(_SKIP_MODES)}, got skip={skip!r}.")
+    num_losses = check_count("num_losses", num_losses)
+    report = check_bool("report", report)
     if num_losses == 1:
         initial = as_loss_scale(loss_scale)
     else:
@@ -169,7 +169,7 @@ def loss_scaled(
             if len(grad_trees) != num_losses:
                 raise ValueError(f"update expects a sequence of {num_losses} grad trees (one "
                                  f"per loss), got {len(grad_trees)}.")
-        unscaled = [ls.unscale(g) for ls, g in zip(scales, grad_trees)]
+        unscaled = [ls.unscale(g) for ls, g in zip(scales, grad_trees, strict=True)]
         finites = [all_finite(g, axis_name) for g in unscaled]
         grads = unscaled[0]
         for more in unscaled[1:]:
@@ -185,18 +185,23 @@ def loss_scaled(
             new_updates, new_inner = inner_update(grads, state.inner_state)
             new_updates = jax.tree_util.tree_map(
                 lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-            new_inner = select_tree(finite, new_inner, state.inner_state)
+            # The old state in the new one's types: an inner update may change a leaf's dtype
+            # (optax's moments of an int leaf become float), and a select needs one dtype.
+            old_inner = jax.tree_util.tree_map(_as_type_of, state.inner_state, new_inner)
+            new_inner = select_tree(finite, new_inner, old_inner)
         else:
             new_updates, new_inner = _update_if(finite, inner_update, grads, state.inner_state)
-        new_scales = tuple(ls.adjust(f) for ls, f in zip(scales, finites))
+        new_scales = tuple(ls.adjust(f) for ls, f in zip(scales, finites, strict=True))
         if report:
             for loss_id, (ls, f) in enumerate(zip(new_scales, finites)):
                 _report_overflow(f, loss_id, ls.loss_scale)
         return new_updates, LossScaledState(
             loss_scale=new_scales[0] if num_losses == 1 else new_scales,
             inner_state=new_inner,
-            total_steps=state.total_steps + 1,
-            skipped_steps=state.skipped_steps + jnp.logical_not(finite).astype(jnp.int32),
+            # Counters saturate at the int32 maximum rather than wrap negative.
+            total_steps=optax.safe_increment(state.total_steps),
+            skipped_steps=jnp.where(finite, state.skipped_steps,
+                                    optax.safe_increment(state.skipped_steps)),
             last_finite=finite,
         )
 
@@ -226,7 +231,14 @@ def _update_if(finite, inner_update, grads, inner_state):
 
 
 def _as_type_of(x, like):
-    """`x`, unchanged in value, with the mesh axes it varies over widened to those of `like`."""
+    """`x` in the dtype of `like`, with the mesh axes it varies over widened to `like`'s.
+
+    The value is kept: only an inner update that changes a leaf's dtype (an int leaf's moment
+    turning float) changes it, by a cast that is exact for the counts such leaves hold.
+    """
+    x = jnp.asarray(x)
+    if x.dtype != like.dtype:
+        x = x.astype(like.dtype)
     zero = jnp.zeros_like(like)
     if jax.typeof(zero) == jax.typeof(x):
         return x

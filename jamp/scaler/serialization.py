@@ -11,6 +11,8 @@ import dataclasses
 import jax.numpy as jnp
 from flax import serialization
 
+from jamp._checks import StateDictKeyError
+
 from jamp.scaler.grad_scaler import GradScalerState
 from jamp.scaler.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 
@@ -22,8 +24,8 @@ def _leaves_to_state_dict(*names):
     def from_state_dict(target, state):
         missing = [name for name in names if name not in state]
         if missing:
-            raise ValueError(f"Cannot restore {type(target).__name__}: the state dict lacks "
-                             f"{missing} (it has {sorted(state)}).")
+            raise StateDictKeyError(f"Cannot restore {type(target).__name__}: the state dict "
+                                    f"lacks {missing} (it has {sorted(state)}).")
         values = {name: jnp.asarray(state[name], jnp.asarray(getattr(target, name)).dtype)
                   for name in names}
         return dataclasses.replace(target, **values)

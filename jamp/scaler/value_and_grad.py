@@ -1,4 +1,9 @@
-"""The one-call path: a loss-scaled `jax.value_and_grad` (flax's `DynamicScale.value_and_grad`)."""
+"""The one-call path: a loss-scaled `jax.value_and_grad` for any jamp loss scale.
+
+It returns `(value, grads, finite, loss_scale)`, a different order and content from flax's
+`DynamicScale.value_and_grad` (`(dynamic_scale, finite, aux, grad)`); code written against
+flax uses `jamp.DynamicScale`, which is flax's API.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 from jax import lax
 
-from jamp.scaler.loss_scale import all_finite, is_floating
+from jamp.scaler.loss_scale import all_finite, is_inexact
 
 
 class ScaledValueAndGrad(NamedTuple):
@@ -49,10 +54,14 @@ def scaled_value_and_grad(
       any jamp loss scale (`DynamicLossScale`, `GradScalerState`, ...).
 
     Example:
-      >>> step = scaled_value_and_grad(loss_fn)
-      >>> loss, grads, finite, loss_scale = step(loss_scale, params, batch)
-      >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> params = select_tree(finite, optax.apply_updates(params, updates), params)
+      >>> import jax.numpy as jnp, jamp
+      >>> loss_fn = lambda params, x: jnp.sum((params * x) ** 2)
+      >>> params, x = jnp.array([1.0, 2.0]), jnp.array([3.0, 0.5])
+      >>> step = jamp.scaled_value_and_grad(loss_fn)
+      >>> loss, grads, finite, loss_scale = step(jamp.GradScaler().init(), params, x)
+      >>> params = jamp.select_tree(finite, params - 0.01 * grads, params)
+      >>> loss, grads, bool(finite)
+      (Array(10., dtype=float32), Array([18.,  1.], dtype=float32), True)
     """
 
     def scaled(loss_scale, *args, **kwargs):
@@ -68,7 +77,7 @@ def scaled_value_and_grad(
         grads = loss_scale.unscale(grads)
         if axis_name is not None:
             grads = jax.tree_util.tree_map(
-                lambda g: lax.pmean(g, axis_name) if is_floating(g) else g, grads)
+                lambda g: lax.pmean(g, axis_name) if is_inexact(g) else g, grads)
         finite = all_finite(grads, axis_name)
         return ScaledValueAndGrad(value, grads, finite, loss_scale.adjust(finite))
 

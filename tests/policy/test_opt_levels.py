@@ -1,14 +1,15 @@
 """Apex's opt levels: the presets of its frontend and every override check."""
 
+import re
 import warnings
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jamp.policy import OPT_LEVELS, AmpConfigurationWarning, Properties, properties
 
-F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+from helpers import BF16, F16, F32
+
 OPTIONS = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
            "keep_batchnorm_fp32", "master_weights", "loss_scale")
 
@@ -132,9 +133,15 @@ def test_loss_scale_values(value, stored):
         assert type(props.loss_scale) is type(stored)
 
 
-@pytest.mark.parametrize("bad", ["dynamc", "abc", [1.0], 0, -1.0, "inf", float("nan")])
+@pytest.mark.parametrize("bad", ["dynamc", "abc", 0, -1.0, "inf", float("nan")])
 def test_loss_scale_rejects(bad):
     with pytest.raises(ValueError, match="loss_scale"):
+        properties("O1", loss_scale=bad)
+
+
+@pytest.mark.parametrize("bad", [[1.0], True])
+def test_loss_scale_of_the_wrong_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match=re.escape(f"loss_scale={bad!r}")):
         properties("O1", loss_scale=bad)
 
 
