@@ -13,7 +13,7 @@ from flax.core import FrozenDict
 
 from jamp.policy import cast_floating, cast_to_full, cast_to_half, get_policy
 
-BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+from helpers import BF16, F16, F32
 
 
 class Batch(NamedTuple):
@@ -43,19 +43,20 @@ def leaves_by_path(tree):
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("target", [BF16, F16, F32])
-def test_only_floating_arrays_are_cast(target, jit):
-    tree = mixed_tree()
-    cast = (lambda t: cast_floating(t, target))
-    # Strings and None are not valid jit outputs' leaves: jit the array part only.
-    out = jax.jit(cast)(tree["frozen"]) if jit else cast(tree)["frozen"]
+def test_only_floating_arrays_are_cast(target, variant):
+    out = variant(lambda t: cast_floating(t, target))(mixed_tree()["frozen"])
     assert out["kernel"].dtype == target
     assert out["count"].dtype == jnp.int32
     assert isinstance(out, FrozenDict)
-    if jit:
-        return
-    out = cast(tree)
+
+
+@pytest.mark.parametrize("target", [BF16, F16, F32])
+def test_every_kind_of_leaf_and_container(target):
+    # Eagerly only: strings and None are not leaves a jitted function can return.
+    tree = mixed_tree()
+    out = cast_floating(tree, target)
+    assert out["frozen"]["kernel"].dtype == target and isinstance(out["frozen"], FrozenDict)
     assert out["state"].params["bias"].dtype == target
     assert out["state"].step.dtype == jnp.int32
     assert out["state"].name == "run"
@@ -89,17 +90,15 @@ def test_cast_under_jit_converts_in_the_lowered_program():
     assert "tensor<4xbf16>" not in text  # the integer leaf is not converted
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_linen_variables(jit):
+def test_linen_variables(variant):
     model = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=True)])
     variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
     policy = get_policy("p=f32,c=f16,o=f32")
-    cast = jax.jit(policy.cast_to_compute) if jit else policy.cast_to_compute
-    half = cast(variables)
+    half = variant(policy.cast_to_compute)(variables)
     dtypes = {p: v.dtype for p, v in leaves_by_path(half).items()}
     assert set(dtypes.values()) == {F16}
     assert any("batch_stats" in p for p in dtypes)
-    full = (jax.jit(cast_to_full) if jit else cast_to_full)(half)
+    full = variant(cast_to_full)(half)
     assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(variables)
     assert all(v.dtype == F32 for v in jax.tree_util.tree_leaves(full))
 
@@ -118,12 +117,10 @@ class TinyNNX(nnx.Module):
         return self.norm(self.linear(x))
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_nnx_state(jit):
+def test_nnx_state(variant):
     model = TinyNNX(nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    cast = jax.jit(cast_to_half) if jit else cast_to_half
-    half = cast(state)
+    half = variant(cast_to_half)(state)
     assert isinstance(half, nnx.State)
     leaves = leaves_by_path(half)
     assert {v.dtype for p, v in leaves.items() if "calls" not in p} == {F16}

@@ -9,7 +9,8 @@ import pytest
 import jamp.policy as policy_lib
 from jamp.policy import Policy, get_policy
 
-F16, BF16, F32, F64 = (np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+from helpers import BF16, F16, F32, F64
+
 HALF = F16  # half_dtype() on CPU and GPU
 
 # (spelling, (param, compute, output))

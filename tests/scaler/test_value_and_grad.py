@@ -23,9 +23,9 @@ X = jnp.arange(12.0).reshape(4, 3) / 10
     lambda: js.StaticLossScale(jnp.float32(256.0)),
     lambda: js.NoOpLossScale(),
 ], ids=["dynamic", "grad_scaler", "static", "noop"])
-def test_finite_step_matches_jax_value_and_grad(make_ls, maybe_jit):
+def test_finite_step_matches_jax_value_and_grad(make_ls, variant):
     ls = make_ls()
-    value, grads, finite, new_ls = maybe_jit(js.scaled_value_and_grad(loss_fn))(ls, PARAMS, X)
+    value, grads, finite, new_ls = variant(js.scaled_value_and_grad(loss_fn))(ls, PARAMS, X)
     want_value, want_grads = jax.value_and_grad(loss_fn)(PARAMS, X)
     # The loss as fun computed it, not scaled and unscaled (eager runs match bit for bit).
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
@@ -46,21 +46,21 @@ def test_value_is_not_round_tripped_through_the_scale():
     assert float(value) == float(jnp.sum(jnp.ones(3)) * 0.1)
 
 
-def test_non_finite_step_backs_off(maybe_jit):
+def test_non_finite_step_backs_off(variant):
     ls = js.GradScaler().init()
     bad_x = X.at[1, 1].set(jnp.inf)
-    value, grads, finite, new_ls = maybe_jit(js.scaled_value_and_grad(loss_fn))(ls, PARAMS, bad_x)
+    value, grads, finite, new_ls = variant(js.scaled_value_and_grad(loss_fn))(ls, PARAMS, bad_x)
     assert not bool(finite)
     assert float(new_ls.loss_scale) == 32768.0 and int(new_ls.growth_tracker) == 0
 
 
-def test_has_aux_and_argnums(maybe_jit):
+def test_has_aux_and_argnums(variant):
     def fn(w, b, x):
         loss = jnp.sum((x @ w + b) ** 2)
         return loss, {"pred_mean": jnp.mean(x @ w)}
 
     ls = js.DynamicLossScale(jnp.float32(64.0))
-    vg = maybe_jit(js.scaled_value_and_grad(fn, argnums=(0, 1), has_aux=True))
+    vg = variant(js.scaled_value_and_grad(fn, argnums=(0, 1), has_aux=True))
     (loss, aux), (gw, gb), finite, _ = vg(ls, PARAMS["w"], PARAMS["b"], X)
     (want_loss, want_aux), (ww, wb) = jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)(
         PARAMS["w"], PARAMS["b"], X)

@@ -13,9 +13,10 @@ from flax import nnx
 
 import jamp
 
+from helpers import BF16, F16, F32
+
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 class Classifier(nn.Module):

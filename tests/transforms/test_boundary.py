@@ -14,10 +14,7 @@ from flax import nnx
 
 import jamp
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-
-X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
-W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+from helpers import BF16, F16, F32, W, X
 
 
 # -- torch's call forms ----------------------------------------------------------------------

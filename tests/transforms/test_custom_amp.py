@@ -7,10 +7,7 @@ import pytest
 
 import jamp
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-
-X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
-W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+from helpers import F32, W, X, lowered_op_types
 
 
 def make_matmul(fwd_deco=lambda f: f, bwd_deco=lambda f: f):
@@ -36,22 +33,22 @@ def loss_of(matmul):
     return lambda x, w: jnp.sum(jnp.tanh(matmul(x, w)))
 
 
-def grad_dots(inspect, matmul):
+def grad_dots(matmul):
     g = jax.grad(jamp.autocast(loss_of(matmul), device_type="cpu"), argnums=(0, 1))
-    return inspect.lowered_op_types(g, X, W, op="dot_general")
+    return lowered_op_types(g, X, W, op="dot_general")
 
 
-def test_undecorated_fwd_follows_autocast_and_bwd_runs_with_autocast_off(inspect):
-    fwd, bwd1, bwd2 = grad_dots(inspect, make_matmul())
+def test_undecorated_fwd_follows_autocast_and_bwd_runs_with_autocast_off():
+    fwd, bwd1, bwd2 = grad_dots(make_matmul())
     assert fwd == ("bfloat16",) * 3
     # torch: a custom backward without custom_bwd runs outside autocast, in its inputs' types.
     assert {bwd1, bwd2} == {("float32",) * 3}
 
 
 @pytest.mark.parametrize("cast,name", [(jnp.float32, "float32"), (jnp.float16, "float16")])
-def test_cast_inputs_casts_and_runs_the_forward_with_autocast_off(cast, name, inspect, variant):
+def test_cast_inputs_casts_and_runs_the_forward_with_autocast_off(cast, name, variant):
     matmul = make_matmul(fwd_deco=jamp.custom_fwd(cast_inputs=cast))
-    dots = grad_dots(inspect, matmul)
+    dots = grad_dots(matmul)
     assert dots[0] == (name,) * 3
     g = variant(jax.grad(jamp.autocast(loss_of(matmul), device_type="cpu"), argnums=(0, 1)))
     gx, gw = g(X, W)
@@ -61,21 +58,21 @@ def test_cast_inputs_casts_and_runs_the_forward_with_autocast_off(cast, name, in
     np.testing.assert_allclose(gw, want_w, rtol=3e-2, atol=3e-2)
 
 
-def test_custom_bwd_runs_with_the_forwards_state(inspect):
-    fwd, bwd1, bwd2 = grad_dots(inspect, make_matmul(bwd_deco=jamp.custom_bwd))
+def test_custom_bwd_runs_with_the_forwards_state():
+    fwd, bwd1, bwd2 = grad_dots(make_matmul(bwd_deco=jamp.custom_bwd))
     assert fwd == bwd1 == bwd2 == ("bfloat16",) * 3
 
 
-def test_custom_bwd_after_cast_inputs_keeps_autocast_state(inspect):
+def test_custom_bwd_after_cast_inputs_keeps_autocast_state():
     # torch: bwd runs with the forward's *autocast state* (enabled, bfloat16), not with the
     # state custom_fwd set inside the forward.
     matmul = make_matmul(jamp.custom_fwd(cast_inputs=jnp.float32), jamp.custom_bwd)
-    fwd, bwd1, bwd2 = grad_dots(inspect, matmul)
+    fwd, bwd1, bwd2 = grad_dots(matmul)
     assert fwd == ("float32",) * 3
     assert bwd1 == bwd2 == ("bfloat16",) * 3
 
 
-def test_noops_outside_autocast(variant, inspect):
+def test_noops_outside_autocast(variant):
     plain = make_matmul()
     decorated = make_matmul(jamp.custom_fwd(cast_inputs=jnp.float16), jamp.custom_bwd)
     g_plain = jax.grad(loss_of(plain), argnums=(0, 1))
@@ -83,8 +80,8 @@ def test_noops_outside_autocast(variant, inspect):
     for a, b in zip(g_deco(X, W), g_plain(X, W)):
         assert a.dtype == F32
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert set(inspect.lowered_op_types(jax.grad(loss_of(decorated)), X, W,
-                                        op="dot_general")) == {("float32",) * 3}
+    assert set(lowered_op_types(jax.grad(loss_of(decorated)), X, W,
+                                op="dot_general")) == {("float32",) * 3}
 
 
 def test_cast_inputs_none_is_the_function_itself():
@@ -95,7 +92,7 @@ def test_cast_inputs_none_is_the_function_itself():
     assert jamp.custom_fwd(cast_inputs=None)(fwd) is fwd
 
 
-def test_cast_inputs_leaves_non_floating_inputs(inspect):
+def test_cast_inputs_leaves_non_floating_inputs():
     @jax.custom_vjp
     def gather_scale(x, idx):
         return x[idx] * 2.0

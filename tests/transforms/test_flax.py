@@ -16,12 +16,7 @@ import jamp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import Block, TransformerStack, next_token_loss  # noqa: E402
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+from helpers import BF16, F32, hlo_op_types, jaxpr_eqns, lowered_op_types, rel_err
 
 
 def leaves_dtypes(tree):
@@ -46,7 +41,7 @@ def convnet():
     return model, variables, x
 
 
-def test_linen_conv_batchnorm_layernorm_dense(convnet, variant, inspect):
+def test_linen_conv_batchnorm_layernorm_dense(convnet, variant):
     model, variables, x = convnet
     apply = jamp.autocast(model.apply, device_type="cpu")
     out, updates = variant(lambda v, x: apply(v, x, train=True, mutable=["batch_stats"]))(
@@ -58,8 +53,8 @@ def test_linen_conv_batchnorm_layernorm_dense(convnet, variant, inspect):
         assert rel_err(got, ref) < 3e-2
     text = jax.jit(lambda v, x: apply(v, x, train=True, mutable=["batch_stats"])).lower(
         variables, x).as_text()
-    assert inspect.hlo_op_types(text, "convolution") == [("bfloat16",) * 3]
-    assert inspect.hlo_op_types(text, "dot_general") == [("bfloat16",) * 3]
+    assert hlo_op_types(text, "convolution") == [("bfloat16",) * 3]
+    assert hlo_op_types(text, "dot_general") == [("bfloat16",) * 3]
 
 
 def test_linen_grads_close_to_fp32(convnet, variant):
@@ -79,7 +74,7 @@ def test_linen_grads_close_to_fp32(convnet, variant):
             assert rel_err(path_got, path_want) < 3e-2
 
 
-def test_linen_attention(variant, inspect):
+def test_linen_attention(variant):
     attn = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
     x = jax.random.normal(jax.random.key(2), (2, 5, 8))
     variables = jax.jit(attn.init)(jax.random.key(0), x)
@@ -87,10 +82,10 @@ def test_linen_attention(variant, inspect):
     out = variant(f)(variables, x)
     assert out.dtype == F32 and rel_err(out, attn.apply(variables, x)) < 3e-2
     text = jax.jit(f).lower(variables, x).as_text()
-    dots = inspect.hlo_op_types(text, "dot_general")
+    dots = hlo_op_types(text, "dot_general")
     assert len(dots) == 6 and all(t == ("float16",) * 3 for t in dots)
     # The softmax's exp runs in float32 on the CUDA table (torch's list).
-    assert inspect.hlo_op_types(text, "exponential") == [("float32",)]
+    assert hlo_op_types(text, "exponential") == [("float32",)]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +100,7 @@ def transformer():
     return loss_fn, params, tokens
 
 
-def test_transformer_under_autocast_is_jittable_and_differentiable(transformer, inspect):
+def test_transformer_under_autocast_is_jittable_and_differentiable(transformer):
     loss_fn, params, tokens = transformer
     loss = jamp.autocast(loss_fn, dtype=jnp.bfloat16, device_type="cpu")
     step = jax.jit(jax.value_and_grad(loss))
@@ -116,21 +111,21 @@ def test_transformer_under_autocast_is_jittable_and_differentiable(transformer, 
     assert rel_err(jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)]),
                    jnp.concatenate([g.ravel() for g in jax.tree.leaves(want)])) < 3e-2
     text = jax.jit(jax.grad(loss)).lower(params, tokens).as_text()
-    dots = inspect.hlo_op_types(text, "dot_general")
+    dots = hlo_op_types(text, "dot_general")
     assert dots and all(t == ("bfloat16",) * 3 for t in dots)
 
 
-def test_transformer_matches_hand_written_bf16_dtypes(transformer, inspect):
+def test_transformer_matches_hand_written_bf16_dtypes(transformer):
     # The hand-written bfloat16 model (`dtype=jnp.bfloat16`) and autocast agree on where the
     # matmuls run, and autocast converts each weight once.
     loss_fn, params, tokens = transformer
     hand = TransformerStack(vocab=32, width=16, depth=2, num_heads=2, dtype=jnp.bfloat16)
     hand_loss = lambda p, t: next_token_loss(hand.apply({"params": p}, t), t)
     auto = jamp.autocast(loss_fn, dtype=jnp.bfloat16, device_type="cpu")
-    count = lambda f: inspect.lowered_op_types(f, params, tokens, op="dot_general")
+    count = lambda f: lowered_op_types(f, params, tokens, op="dot_general")
     assert len(count(auto)) == len(count(hand_loss))
-    converts = [e for e in inspect.jaxpr_eqns(jax.make_jaxpr(auto)(params, tokens),
-                                              "convert_element_type")
+    converts = [e for e in jaxpr_eqns(jax.make_jaxpr(auto)(params, tokens),
+                                      "convert_element_type")
                 if e.params["new_dtype"] == BF16 and len(e.invars[0].aval.shape) == 2
                 and e.invars[0].aval.shape[0] == 16]
     weights_2d = [p for p in jax.tree.leaves(params) if p.ndim == 2 and p.shape[0] == 16]
@@ -153,7 +148,7 @@ class ScannedBlocks(nn.Module):
         return x
 
 
-def test_linen_scan_of_remat_blocks(inspect):
+def test_linen_scan_of_remat_blocks():
     model = ScannedBlocks()
     x = jax.random.normal(jax.random.key(5), (2, 4, 8))
     variables = jax.jit(model.init)(jax.random.key(0), x)
@@ -164,7 +159,7 @@ def test_linen_scan_of_remat_blocks(inspect):
     assert abs(float(value) - float(want_value)) < 3e-2 * abs(float(want_value))
     flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])
     assert leaves_dtypes(grads) == {F32} and rel_err(flat(grads), flat(want)) < 3e-2
-    dots = inspect.lowered_op_types(jax.grad(auto), variables, x, op="dot_general")
+    dots = lowered_op_types(jax.grad(auto), variables, x, op="dot_general")
     assert dots and all(t == ("bfloat16",) * 3 for t in dots)
 
 
@@ -179,7 +174,7 @@ class NNXMLP(nnx.Module):
         return self.dense2(nnx.relu(self.bn(self.norm(self.dense1(x)))))
 
 
-def test_nnx_function_of_a_module(variant, inspect):
+def test_nnx_function_of_a_module(variant):
     model = NNXMLP(nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     x = jax.random.normal(jax.random.key(4), (3, 4))
@@ -194,7 +189,7 @@ def test_nnx_function_of_a_module(variant, inspect):
     want, want_state = forward(state, x)
     assert out.dtype == F32 and rel_err(out, want) < 3e-2
     assert leaves_dtypes(nnx.state(new_state, nnx.BatchStat)) == {F32}
-    dots = inspect.lowered_op_types(lambda s, x: f(s, x)[0], state, x, op="dot_general")
+    dots = lowered_op_types(lambda s, x: f(s, x)[0], state, x, op="dot_general")
     assert dots == [("bfloat16",) * 3] * 2
 
     def loss(params, rest, x):

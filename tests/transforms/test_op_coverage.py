@@ -1,6 +1,9 @@
-"""Common jnp / lax / jax.nn functions run under autocast (both tables), under jit and
-differentiated, with values close to float32: weak-typed carries, mixed-type ops, scatter,
+"""Common jnp / lax / jax.nn functions under autocast (both tables): each op computes in the dtype
+its table gives it, read from the transformed program, and the values, under jit and
+differentiated, stay close to float32's. Weak-typed carries, mixed-type ops, scatter,
 reduce_window, PRNG keys, integer operands."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +12,9 @@ import pytest
 from jax import lax
 
 import jamp
+from jamp.policy import ACCUMULATE_FP32, FP32, LOWER, autocast_table
 
-X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
-W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+from helpers import F32, W, X, jaxpr_equations
 
 CASES = {
     "scan_weak_carry": lambda x, w: lax.scan(lambda c, r: (c + jnp.sum(r @ w), c), 0.0, x)[0],
@@ -19,6 +22,8 @@ CASES = {
     "cond_python_scalar": lambda x, w: lax.cond(x[0, 0] < 0, lambda: jnp.sum(x @ w), lambda: 1.0),
     "where_literal": lambda x, w: jnp.where(x > 0, x @ w, 0.0),
     "einsum": lambda x, w: jnp.einsum("ij,jk->ik", x, w),
+    "conv": lambda x, w: lax.conv_general_dilated(
+        (x @ w)[None, None], w[None, None, :2, :2], (1, 1), "SAME")[0, 0],
     "dot_product_attention": lambda x, w: jax.nn.dot_product_attention(
         x[None, :, None, :], (x @ w)[None, :, None, :], x[None, :, None, :]),
     "logsumexp": lambda x, w: jax.nn.logsumexp(x @ w, axis=-1),
@@ -41,16 +46,51 @@ CASES = {
 }
 
 
+def total(f):
+    return lambda x, w: jnp.sum(f(x, w))
+
+
+@functools.cache
+def float32_reference(name):
+    """The case's value and its gradient in w as written, in one compiled program."""
+    f = CASES[name]
+    return jax.jit(lambda x, w: (f(x, w), jax.grad(total(f), argnums=1)(x, w)))(X, W)
+
+
+def listed_ops(f, table):
+    """(primitive, rule, dtypes of its floating inputs) for each op of `f`'s program that
+    `table` lists, nested programs included."""
+    found = []
+    for eqn in jaxpr_equations(jax.make_jaxpr(f)(X, W)):
+        rule = table.rule(eqn.primitive.name)
+        if rule is not None:
+            dtypes = {np.dtype(v.aval.dtype) for v in eqn.invars
+                      if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+            found.append((eqn.primitive.name, rule, dtypes))
+    return found
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_runs_close_to_float32(name, device_type):
+def test_ops_compute_in_their_tables_dtype_close_to_float32(name, device_type):
     f = CASES[name]
     g = jamp.autocast(f, device_type=device_type)
-    loss = lambda f: (lambda x, w: jnp.sum(f(x, w)))
-    # One compiled program per case keeps the suite quick on two cores.
-    got, grad = jax.jit(lambda x, w: (g(x, w), jax.grad(loss(g), argnums=1)(x, w)))(X, W)
-    want = f(X, W)
+    step = lambda x, w: (g(x, w), jax.grad(total(g), argnums=1)(x, w))
+
+    table = autocast_table(device_type)
+    low = table.default_dtype
+    computes_in = {LOWER: {low}, FP32: {F32}, ACCUMULATE_FP32: {F32}}
+    forward = listed_ops(g, table)
+    assert any(rule == LOWER for _, rule, _ in forward)  # every case has a matmul
+    assert [(op, d) for op, rule, d in forward if d != computes_in[rule]] == []
+    # The backward's matmuls run low too. Its other ops are JAX's derivatives of the forward's
+    # (a reduce_sum transposing a low broadcast is low), which no table lists.
+    assert all(d == {low} for _, rule, d in listed_ops(step, table) if rule == LOWER)
+
+    # One compiled program per run (op-by-op compiles would dominate the suite's time).
+    got, grad = jax.jit(step)(X, W)
+    want, want_grad = float32_reference(name)
     assert got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
-    assert grad.dtype == jnp.float32
-    np.testing.assert_allclose(grad, jax.grad(loss(f), argnums=1)(X, W), rtol=1e-1, atol=1e-1)
+    assert grad.dtype == F32
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-1, atol=1e-1)

@@ -14,11 +14,9 @@ from jax import lax
 
 import jamp
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-LOW = {"cpu": BF16, "cuda": F16}
+from helpers import BF16, F16, F32, W, X, hlo_op_types, lowered_op_types
 
-X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
-W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+LOW = {"cpu": BF16, "cuda": F16}
 
 
 def raw(f, **kw):
@@ -35,13 +33,13 @@ def raw(f, **kw):
     lambda a, b: jnp.dot(a, b),
     lambda a, b: jnp.vecdot(a, b.T[:3]),
 ], ids=["matmul", "jnp.matmul", "einsum", "dot", "vecdot"])
-def test_matmul_of_a_low_and_a_float32_input_returns_low(op, device_type, variant, inspect):
+def test_matmul_of_a_low_and_a_float32_input_returns_low(op, device_type, variant):
     low = LOW[device_type]
     f = raw(op, device_type=device_type)
     a = X.astype(low)
     assert variant(f)(a, W).dtype == low
     # Accumulation inside the op is XLA's business; the op's result type is the low one.
-    for types in inspect.lowered_op_types(f, a, W, op="dot_general"):
+    for types in lowered_op_types(f, a, W, op="dot_general"):
         assert types == (low.name,) * 3
 
 
@@ -78,14 +76,14 @@ LINALG = {
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("name", sorted(LINALG))
-def test_linear_algebra_composites_compute_in_float32(name, device_type, variant, inspect):
+def test_linear_algebra_composites_compute_in_float32(name, device_type, variant):
     fn = LINALG[name]
     f = raw(fn, device_type=device_type)
     x = jnp.eye(4, dtype=jnp.float32) + 0.01
     got = variant(f)(A, x)
     assert got.dtype == F32
     np.testing.assert_allclose(got, fn(A, x), rtol=3e-2, atol=3e-2)
-    matmuls = inspect.lowered_op_types(f, A, x, op="dot_general")
+    matmuls = lowered_op_types(f, A, x, op="dot_general")
     # The user's `a @ x` lowers; every matmul inside the composite runs in float32.
     low = LOW[device_type].name
     assert matmuls[0] == (low, low, low)
@@ -137,14 +135,14 @@ def test_nnx_lstm_cell_returns_the_low_dtype(variant):
     lambda x, w, b: jnp.einsum("bij,bjk->ik", jnp.stack([x, x]), jnp.stack([w.T, w.T])) + b,
     lambda x, w, b: (x @ w.T + b) * w[0],              # a scale inside the kernel
 ], ids=["linear", "addmm", "addbmm", "scaled"])
-def test_linear_ops_with_a_bias_return_the_low_dtype(op, device_type, variant, inspect):
+def test_linear_ops_with_a_bias_return_the_low_dtype(op, device_type, variant):
     low = LOW[device_type]
     b = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
     for x in (X, X.astype(low)):  # float32 inputs, and a low input mixed in
         f = raw(op, device_type=device_type)
         assert variant(f)(x, W, b).dtype == low
         text = jax.jit(f).lower(x, W, b).as_text()
-        assert set(inspect.hlo_op_types(text, "add")) == {(low.name,)}
+        assert set(hlo_op_types(text, "add")) == {(low.name,)}
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])

@@ -17,14 +17,10 @@ import jamp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import TransformerStack, next_token_loss, residual_bytes  # noqa: E402
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+from helpers import BF16, F16, F32, eqn_dtypes, hlo_op_types, jaxpr_eqns, lowered_op_types, rel_err
+
 TABLES = [("cpu", BF16), ("cuda", F16)]
 FINFO_MIN = float(np.finfo(np.float32).min)
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 # -- padded attention ------------------------------------------------------------------------
@@ -41,7 +37,7 @@ def test_masked_softmax_fill_never_becomes_inf(device_type, fill, variant):
 
 
 @pytest.mark.parametrize("device_type,dtype", TABLES)
-def test_linen_attention_with_padding_mask_trains(device_type, dtype, inspect):
+def test_linen_attention_with_padding_mask_trains(device_type, dtype):
     attn = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
     x = jax.random.normal(jax.random.key(0), (2, 5, 8))
     lengths = jnp.array([5, 0])  # the second sequence is all padding
@@ -63,10 +59,10 @@ def test_linen_attention_with_padding_mask_trains(device_type, dtype, inspect):
     # softmax follows the table: bfloat16 on the cpu table (torch's CPU list has no exp),
     # float32 on the cuda table.
     text = jax.jit(lambda *a: auto(*a)).lower(variables["params"], x, mask).as_text()
-    dots = inspect.hlo_op_types(text, "dot_general")
+    dots = hlo_op_types(text, "dot_general")
     assert dots and all(t == (dtype.name,) * 3 for t in dots)
     softmax = "bfloat16" if device_type == "cpu" else "float32"
-    assert inspect.hlo_op_types(text, "exponential") == [(softmax,)]
+    assert hlo_op_types(text, "exponential") == [(softmax,)]
 
 
 ADDITIVE_MASKS = {
@@ -142,16 +138,16 @@ def test_computed_overflow_stays_visible_and_big_constants_stay_exact(variant):
 
 # -- normalization statistics ----------------------------------------------------------------
 
-def _stat_eqns(inspect, f, *args):
+def _stat_eqns(f, *args):
     """Where normalizations compute statistics: the reductions, the rsqrts, and every
     equation on values of the statistics' shape (mean of squares minus squared mean...)."""
     jaxpr = jax.make_jaxpr(f)(*args)
-    rsqrts = inspect.jaxpr_eqns(jaxpr, "rsqrt")
+    rsqrts = jaxpr_eqns(jaxpr, "rsqrt")
     shapes = {tuple(e.invars[0].aval.shape) for e in rsqrts}
     stats = [e for e in jaxpr.jaxpr.eqns if e.outvars and e.primitive.name != "convert_element_type"
              and tuple(e.outvars[0].aval.shape) in shapes
              and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
-    return inspect.jaxpr_eqns(jaxpr, "reduce_sum") + rsqrts + stats
+    return jaxpr_eqns(jaxpr, "reduce_sum") + rsqrts + stats
 
 
 class LinenNorm(nn.Module):
@@ -193,7 +189,7 @@ def _norm_input(norm):
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_linen_norm_statistics_run_in_float32(norm, device_type, inspect):
+def test_linen_norm_statistics_run_in_float32(norm, device_type):
     # Read from the program (values: see the next tests): every reduction and rsqrt of the
     # normalization is float32, though the Dense or Conv before it ran in the low dtype.
     model = LinenNorm(norm)
@@ -201,16 +197,16 @@ def test_linen_norm_statistics_run_in_float32(norm, device_type, inspect):
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
     f = jamp.autocast(lambda v, x: model.apply(v, x, mutable=["batch_stats"]),
                       device_type=device_type)
-    stats = _stat_eqns(inspect, f, variables, x)
-    assert stats and all(set(inspect.eqn_dtypes(e)[1]) == {"float32"} for e in stats)
-    assert all(set(inspect.eqn_dtypes(e)[0]) <= {"float32", "int32", "bool"} for e in stats)
-    lowered = inspect.jaxpr_eqns(jax.make_jaxpr(f)(variables, x), "convert_element_type")
+    stats = _stat_eqns(f, variables, x)
+    assert stats and all(set(eqn_dtypes(e)[1]) == {"float32"} for e in stats)
+    assert all(set(eqn_dtypes(e)[0]) <= {"float32", "int32", "bool"} for e in stats)
+    lowered = jaxpr_eqns(jax.make_jaxpr(f)(variables, x), "convert_element_type")
     assert any(e.params["new_dtype"] != F32 for e in lowered)
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_nnx_norm_statistics_run_in_float32(norm, device_type, inspect):
+def test_nnx_norm_statistics_run_in_float32(norm, device_type):
     model = NNXNorm(norm, nnx.Rngs(0))
     x = _norm_input(norm)
     graphdef, state = nnx.split(model)
@@ -220,9 +216,9 @@ def test_nnx_norm_statistics_run_in_float32(norm, device_type, inspect):
         return m(x), nnx.state(m)
 
     f = jamp.autocast(forward, device_type=device_type)
-    stats = _stat_eqns(inspect, f, state, x)
-    assert stats and all(set(inspect.eqn_dtypes(e)[1]) == {"float32"} for e in stats)
-    assert all(set(inspect.eqn_dtypes(e)[0]) <= {"float32", "int32", "bool"} for e in stats)
+    stats = _stat_eqns(f, state, x)
+    assert stats and all(set(eqn_dtypes(e)[1]) == {"float32"} for e in stats)
+    assert all(set(eqn_dtypes(e)[0]) <= {"float32", "int32", "bool"} for e in stats)
 
 
 class LayerThenNorm(nn.Module):
@@ -267,7 +263,7 @@ def test_norm_error_no_worse_than_hand_written_low_precision(norm, device_type, 
 # -- biases and activation memory ------------------------------------------------------------
 
 @pytest.mark.parametrize("device_type,dtype", TABLES)
-def test_dense_and_conv_biases_follow_the_matmul(device_type, dtype, inspect):
+def test_dense_and_conv_biases_follow_the_matmul(device_type, dtype):
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -281,7 +277,7 @@ def test_dense_and_conv_biases_follow_the_matmul(device_type, dtype, inspect):
     assert f(variables, x).dtype == dtype   # torch's linear returns the low dtype, bias included
     text = jax.jit(f).lower(variables, x).as_text()
     # Both bias adds (and gelu's) run in the low dtype; no float32 add is left.
-    assert set(inspect.hlo_op_types(text, "add")) == {(dtype.name,)}
+    assert set(hlo_op_types(text, "add")) == {(dtype.name,)}
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
@@ -351,7 +347,7 @@ class ScannedStack(nnx.Module):
         return step(x, self.layers)
 
 
-def test_closed_over_nnx_scan_over_layers(inspect):
+def test_closed_over_nnx_scan_over_layers():
     model = ScannedStack(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 8))
     forward = jamp.autocast(lambda x: model(x), device_type="cpu")
@@ -364,5 +360,5 @@ def test_closed_over_nnx_scan_over_layers(inspect):
     grad = jax.grad(lambda x: jnp.sum(forward(x) ** 2))(x)
     want_grad = nnx.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=1)(model, x)
     assert rel_err(grad, want_grad) < 3e-2
-    dots = inspect.lowered_op_types(forward, x, op="dot_general")
+    dots = lowered_op_types(forward, x, op="dot_general")
     assert dots and all(t == ("bfloat16",) * 3 for t in dots)

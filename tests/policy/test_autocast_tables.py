@@ -12,8 +12,9 @@ from jamp.policy.autocast_tables import (
     ACCEPTED_DEVICE_TYPES, DEFAULT_TABLES, FP32, LOWER, OpTable, autocast_table,
     canonical_device_type)
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+from helpers import BF16, F16, F32, jaxpr_equations
 
+# Positive, so that log, rsqrt and x ** x are defined.
 X = jnp.linspace(0.1, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
 
 # What user-level functions trace to: each table entry must name a primitive JAX emits.
@@ -39,20 +40,7 @@ EMITTED = {
 
 
 def primitives_of(f, *args):
-    names = set()
-
-    def walk(j):
-        for eqn in j.eqns:
-            names.add(eqn.primitive.name)
-            for value in eqn.params.values():
-                for v in (value if isinstance(value, (tuple, list)) else (value,)):
-                    if hasattr(v, "eqns"):
-                        walk(v)
-                    elif hasattr(getattr(v, "jaxpr", None), "eqns"):
-                        walk(v.jaxpr)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return names
+    return {eqn.primitive.name for eqn in jaxpr_equations(jax.make_jaxpr(f)(*args))}
 
 
 @pytest.mark.parametrize("name", sorted(EMITTED))

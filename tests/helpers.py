@@ -1,0 +1,86 @@
+"""What test modules across the suite share: dtype names, the small float32 inputs, comparisons
+of results and trees, and readers of the dtypes a program computes in (from its jaxpr or its
+lowered StableHLO).
+
+Test modules import it as `helpers`: pytest's `pythonpath` setting (pyproject.toml) puts tests/
+on the path.
+"""
+
+import re
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+
+# An activation and a weight: float32, mixed signs, products well inside float16's range.
+X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
+W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+
+
+def rel_err(got, want) -> float:
+    """‖got - want‖ / ‖want‖, both read as float32."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def assert_trees_equal(a, b):
+    """Same structure, same dtypes, same values bit for bit."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-8):
+    """Same structure and dtypes, values equal up to float32 rounding."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# -- the dtypes a program computes in ---------------------------------------------------------
+
+def jaxpr_equations(jaxpr) -> Iterator:
+    """Every equation of a (closed) jaxpr and of the jaxprs in its equations' params, each
+    equation before those nested in it."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from jaxpr_equations(sub)
+
+
+def jaxpr_eqns(jaxpr, name: str) -> list:
+    """Every equation of primitive `name` in a jaxpr and its sub-jaxprs, outermost first."""
+    return [eqn for eqn in jaxpr_equations(jaxpr) if eqn.primitive.name == name]
+
+
+def eqn_dtypes(eqn) -> tuple[list[str], list[str]]:
+    """The dtype names of an equation's inputs and of its outputs."""
+    return ([np.dtype(v.aval.dtype).name for v in eqn.invars],
+            [np.dtype(v.aval.dtype).name for v in eqn.outvars])
+
+
+_ELEMENT = re.compile(r"tensor<(?:[0-9?]+x)*([a-z0-9]+)>")
+_HLO_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
+              "i32": "int32", "i64": "int64", "i1": "bool", "ui32": "uint32"}
+
+
+def hlo_op_types(text: str, op: str) -> list[tuple[str, ...]]:
+    """For each `stablehlo.<op>` in `text`, the element types of its operands and result."""
+    found = []
+    for line in text.splitlines():
+        if re.search(rf"stablehlo\.{op}\b", line) is None:
+            continue
+        signature = line.rsplit(" : ", 1)[-1]
+        found.append(tuple(_HLO_NAMES.get(t, t) for t in _ELEMENT.findall(signature)))
+    return found
+
+
+def lowered_op_types(f, *args, op: str) -> list[tuple[str, ...]]:
+    """`hlo_op_types` of `f` jitted and lowered for `args`."""
+    return hlo_op_types(jax.jit(f).lower(*args).as_text(), op)
