@@ -10,7 +10,9 @@ Prints four ratios, measured side by side in one process:
   * the bytes of the activations saved for the backward pass (jax.vjp's residuals) under autocast
     over the hand-written bfloat16 model's (target <= 1.15), on both op tables. This one is a count
     of bytes, not a timing: it is the same on every run.
-Where jaxamp or grampax are installed (`pip install '.[bench]'`), their figures are printed beside.
+Where jaxamp or grampax are installed (`pip install '.[bench]'`), their figures are printed beside;
+what they print themselves is dropped (grampax 0.1.0 prints an array for every operation it
+traces, some 13,000 lines a run).
 
 Run: python benchmarks/autocast_overhead.py [--quick]
 """
@@ -18,6 +20,9 @@ Run: python benchmarks/autocast_overhead.py [--quick]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import os
 import time
 
 import jax
@@ -34,17 +39,32 @@ def make_loss(model):
     return loss
 
 
+def silenced(fn):
+    """`fn` with whatever it prints to stdout dropped, so that only this report is printed.
+
+    A peer prints while it traces (grampax 0.1.0 prints every operation's first operand), which
+    jax.jit and jax.value_and_grad do when they call `fn`; calls served from jit's cache run no
+    Python and print nothing anyway.
+    """
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            return fn(*args, **kwargs)
+    return quiet
+
+
 def peer_autocasts():
-    """The autocast transforms of other libraries that are installed and run here."""
+    """The autocast transforms of other libraries that are installed and run here, each with
+    its own printing silenced."""
     peers = {}
     try:
         import jaxamp
-        peers["jaxamp.amp"] = lambda f: jaxamp.amp(f, compute_dtype=jnp.bfloat16)
+        peers["jaxamp.amp"] = lambda f: silenced(jaxamp.amp(f, compute_dtype=jnp.bfloat16))
     except Exception as e:  # not installed, or broken against this jax
         print(f"  (jaxamp not measured: {type(e).__name__}: {e})")
     try:
         import grampax
-        peers["grampax.autocast"] = lambda f: grampax.autocast(f, dtype=jnp.bfloat16)
+        peers["grampax.autocast"] = lambda f: silenced(grampax.autocast(f, dtype=jnp.bfloat16))
     except Exception as e:
         print(f"  (grampax not measured: {type(e).__name__}: {e})")
     return peers

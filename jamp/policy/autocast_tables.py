@@ -17,10 +17,10 @@ values are never cast, whatever the table says.
 The defaults follow torch's autocast op reference for each device, mapped to the primitives that
 `jax.numpy`, `jax.nn` and Flax emit:
 
-- "cuda" (alias "gpu"), float16 by default: matmuls and convolutions lower; the transcendental,
-  power and reduction primitives behind torch's float32 list (softmax, log_softmax, layer_norm,
-  the losses and norms are composites of these) in float32, and linear algebra and FFT, which
-  have no half-precision kernels, in float32.
+- "cuda" (aliases "gpu" and "rocm"), float16 by default: matmuls and convolutions lower; the
+  transcendental, power and reduction primitives behind torch's float32 list (softmax,
+  log_softmax, layer_norm, the losses and norms are composites of these) in float32, and linear
+  algebra and FFT, which have no half-precision kernels, in float32.
 - "cpu", bfloat16 by default: matmuls and convolutions lower; torch's CPU float32 list maps to
   products, linear algebra and FFT. torch's CPU list has no `exp`, `log` or
   `sum`: softmax, log and exp of bfloat16 values stay in bfloat16, and sums return bfloat16
@@ -31,11 +31,12 @@ The defaults follow torch's autocast op reference for each device, mapped to the
 Extend or override a table with `OpTable.updated` / `OpTable.without` and pass it to
 `jamp.autocast(..., op_table=...)`:
 
-    table = jamp.transforms.autocast_table("cuda").updated({"logistic": FP32, "dot_general": "bfloat16"})
+    table = jamp.policy.autocast_table("cuda").updated({"logistic": FP32, "dot_general": "bfloat16"})
     loss = jamp.autocast(loss_fn, device_type="cuda", op_table=table)
 
-This module is plain data: it imports no JAX internals, and of jamp only the primitive names
-its keys are checked against.
+This module is data and the checks of it. It uses no JAX internals (of `jax.extend.core` only
+the `Primitive` type), and of jamp only `primitives` (the names its keys are checked against)
+and `dtypes` (the floating dtypes a rule or a default may name).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class OpTable:
     """One device's autocast op table.
 
     Attributes:
-      device_type: "cuda", "cpu" or "tpu" ("gpu" is an alias of "cuda").
+      device_type: "cuda", "cpu" or "tpu" (the canonical names; "gpu" and "rocm" are
+        aliases of "cuda").
       default_dtype: the autocast dtype when `jamp.autocast` is given none.
       rules: primitive name -> `LOWER`, `FP32`, `ACCUMULATE_FP32` or an explicit floating
         dtype. Read-only. Keys may also be `jax.extend.core.Primitive` objects (stored by
@@ -200,26 +202,43 @@ DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
     "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
 })
 
+# Other names of a device type: "gpu" is what `jax.default_backend()` says on any GPU, and
+# "rocm" is AMD's platform name; both select the cuda table, as torch's autocast does on ROCm.
 DEVICE_ALIASES: Mapping[str, str] = MappingProxyType({"gpu": "cuda", "rocm": "cuda"})
 
-ACCEPTED_DEVICE_TYPES = ("cuda", "gpu", "cpu", "tpu")
+# Every spelling `canonical_device_type` accepts, each table's aliases after its name: the one
+# list that error messages and documentation name.
+ACCEPTED_DEVICE_TYPES: tuple[str, ...] = tuple(
+    name for table in DEFAULT_TABLES
+    for name in (table, *(alias for alias, to in DEVICE_ALIASES.items() if to == table)))
 
 
 def canonical_device_type(device_type: str) -> str:
-    """"cuda", "cpu" or "tpu" for any accepted spelling ("gpu" -> "cuda").
+    """"cuda", "cpu" or "tpu" for any accepted spelling ("gpu" and "rocm" -> "cuda"); case
+    and surrounding spaces are ignored.
 
     Raises:
-      ValueError: naming the unknown device type and the accepted ones.
+      TypeError: for a device type that is not a string.
+      ValueError: naming the unknown device type, as written, and the accepted ones.
     """
-    key = device_type.strip().lower() if isinstance(device_type, str) else device_type
+    if not isinstance(device_type, str):
+        raise TypeError(
+            f"autocast device_type must be a string, one of {_accepted_device_types()}; got "
+            f"device_type={device_type!r} of type {type(device_type).__name__}.")
+    key = device_type.strip().lower()
     key = DEVICE_ALIASES.get(key, key)
     if key not in DEFAULT_TABLES:
         raise ValueError(
             f"Unknown autocast device_type {device_type!r}: expected one of "
-            f"{', '.join(map(repr, ACCEPTED_DEVICE_TYPES))}.")
+            f"{_accepted_device_types()}.")
     return key
 
 
+def _accepted_device_types() -> str:
+    return ", ".join(map(repr, ACCEPTED_DEVICE_TYPES))
+
+
 def autocast_table(device_type: str) -> OpTable:
-    """The default op table of a device type ("cuda"/"gpu", "cpu", "tpu")."""
+    """The default op table of a device type ("cuda" or its aliases "gpu" and "rocm", "cpu",
+    "tpu")."""
     return DEFAULT_TABLES[canonical_device_type(device_type)]

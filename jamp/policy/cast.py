@@ -35,8 +35,10 @@ def cast_floating(tree: T, dtype) -> T:
     A leaf already in `dtype` is returned unchanged, without a copy or a convert op.
 
     Example:
-      >>> cast_floating({"w": jnp.ones(2), "step": 3}, jnp.bfloat16)["w"].dtype
-      dtype(bfloat16)
+      >>> import jax.numpy as jnp
+      >>> from jamp.policy import cast_floating
+      >>> cast_floating({"w": jnp.ones(2), "step": 3}, jnp.bfloat16)
+      {'step': 3, 'w': Array([1, 1], dtype=bfloat16)}
     """
     dtype = canonical_floating_dtype(dtype)
 

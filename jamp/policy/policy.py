@@ -24,8 +24,13 @@ class Policy:
     `np.float32` and `"float32"` alike.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jamp.policy import Policy
       >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
-      >>> logits = policy.cast_to_output(model.apply(policy.cast_to_compute(params), x))
+      >>> params = policy.cast_to_param({"w": jnp.ones((2, 2))})
+      >>> y = policy.cast_to_compute(jnp.ones((3, 2))) @ policy.cast_to_compute(params["w"])
+      >>> y.dtype, policy.cast_to_output(y).dtype
+      (dtype(bfloat16), dtype('float32'))
     """
 
     param_dtype: np.dtype

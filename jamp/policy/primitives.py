@@ -50,8 +50,9 @@ CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # What one torch kernel computes from its inputs, as a chain of primitives.
 CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE | ASSEMBLES
          | frozenset({"pad", "gather"}))
-# Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat).
-CALLS = frozenset({"jit", "closed_call", "custom_jvp_call", "remat2"})
+# Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat). jax after 0.11.0
+# renamed `closed_call` to `eval_jaxpr` (same `call_jaxpr` param): both names are calls.
+CALLS = frozenset({"jit", "closed_call", "eval_jaxpr", "custom_jvp_call", "remat2"})
 
 
 def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
@@ -59,6 +60,7 @@ def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
     in order of first appearance: the names an op table can use.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jamp
       >>> jamp.transforms.primitive_names(jax.nn.softmax, jnp.ones(3))
       ['reduce_max', 'max', 'broadcast_in_dim', 'stop_gradient', 'sub', 'exp', 'reduce_sum', 'div']
     """

@@ -32,11 +32,6 @@ from jax._src import source_info_util as _source_info  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 
 
-def typeof(x) -> Any:
-    """The abstract value (shape, dtype, weak_type) of an array or tracer."""
-    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
-
-
 def is_tracer(x) -> bool:
     """True for a value being traced (not a concrete array)."""
     return isinstance(x, jax.core.Tracer)
@@ -44,7 +39,7 @@ def is_tracer(x) -> bool:
 
 def weak_aval(x) -> Any:
     """The abstract value of `x`, weak-typed (as a Python scalar's would be)."""
-    return typeof(x).update(weak_type=True)
+    return jax.typeof(x).update(weak_type=True)
 
 
 def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
@@ -121,15 +116,11 @@ def equation_context(eqn: JaxprEqn):
 
 def bind(eqn: JaxprEqn, params: dict, invals: Sequence[Any]) -> list[Any]:
     """Binds `eqn.primitive` with `params` (which may differ from `eqn.params`) and returns a
-    list of outputs. `get_bind_params` turns stored params into bind-time ones for primitives
-    that carry functions (custom_jvp_call, custom_vjp_call)."""
+    list of outputs. `get_bind_params` turns stored params into bind-time ones (adding the
+    `subfuns` of primitives that carry functions: custom_jvp_call, custom_vjp_call); in every jax
+    jamp supports it returns one dict (jax 0.9.0 and older returned `(subfuns, params)`)."""
     prim = eqn.primitive
-    bind_params = prim.get_bind_params(params)
-    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-        subfuns, bind_params = bind_params
-        out = prim.bind(*subfuns, *invals, **bind_params)
-    else:
-        out = prim.bind(*invals, **bind_params)
+    out = prim.bind(*invals, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]
 
 
@@ -159,7 +150,8 @@ def with_result_dtype(params: dict, traced_in, new_in) -> dict:
 
 
 def call_body_key(params: dict) -> str:
-    """The param holding the body of a `jit` (`jaxpr`) or `closed_call` (`call_jaxpr`)."""
+    """The param holding the body of a `jit` (`jaxpr`) or `closed_call`/`eval_jaxpr`
+    (`call_jaxpr`)."""
     return "jaxpr" if "jaxpr" in params else "call_jaxpr"
 
 

@@ -141,13 +141,13 @@ def borrowed(state: State, values: Sequence[Any]) -> Iterator[None]:
     modules = [node for node in state.nodes if not isinstance(node, nnx.Variable)]
     saved_attributes = [dict(vars(node)) for node in modules]
     try:
-        for slot, value in zip(state.slots, values):
+        for slot, value in zip(state.slots, values, strict=True):
             slot.swap(value)
         for node in state.nodes:
             _set_trace_state(node, _tracers.TraceState())
         yield
     except BaseException:
-        for node, attributes in zip(modules, saved_attributes):
+        for node, attributes in zip(modules, saved_attributes, strict=True):
             for name in set(vars(node)) - set(attributes):
                 object.__delattr__(node, name)
             for name, value in attributes.items():
@@ -155,9 +155,9 @@ def borrowed(state: State, values: Sequence[Any]) -> Iterator[None]:
                     object.__setattr__(node, name, value)
         raise
     finally:
-        for slot, value in zip(state.slots, saved):
+        for slot, value in zip(state.slots, saved, strict=True):
             slot.swap(value)
-        for node, trace in zip(state.nodes, saved_traces):
+        for node, trace in zip(state.nodes, saved_traces, strict=True):
             _set_trace_state(node, trace)
 
 

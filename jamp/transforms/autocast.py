@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import jax
 
+from jamp._checks import check_bool
 from jamp.policy.autocast_tables import OpTable, autocast_table, canonical_device_type
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import boundary, programs
@@ -50,26 +51,35 @@ def autocast(
       fn: the function to transform, or torch's positional device type.
       *torch_args: after a device type only: torch's positional dtype, enabled,
         cache_enabled.
-      device_type: "cuda"/"gpu", "cpu" or "tpu"; default: `jax.default_backend()`.
+      device_type: "cuda" (or its aliases "gpu" and "rocm"), "cpu" or "tpu"; default:
+        `jax.default_backend()`.
       dtype: the low dtype; default float16 on cuda/gpu, bfloat16 on cpu and tpu. float16 on
         the CPU works: XLA emulates it.
       enabled: False returns `fn` unchanged (as a region: autocast off inside).
       cache_enabled: accepted for torch compatibility (default True). True casts each value
         to each dtype once per (sub-)program, so a weight used by several matmuls is converted
         once; False emits a convert per use, which XLA's CSE usually merges again.
-      op_table: a custom `OpTable` (see `jamp.transforms.autocast_table(...).updated(...)`).
+      op_table: a custom `OpTable` (see `jamp.policy.autocast_table(...).updated(...)`).
       cast_outputs: True (default) returns outputs in the dtypes `fn` returns; False keeps the
         dtypes autocast computed them in (e.g. bfloat16 logits), torch's behaviour.
 
     Raises:
       ValueError: for an unknown `device_type` or a `dtype` that is not float16, bfloat16 or
         float32, naming the accepted ones.
-      TypeError: for a first argument that is neither a function nor a device type string, or
-        a device type given both ways.
+      TypeError: for a first argument that is neither a function nor a device type string, a
+        device type given both ways, a device type that is not a string, or an `enabled`,
+        `cache_enabled` or `cast_outputs` that is not a bool (the string "False" is refused,
+        not read as true).
 
     Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> def loss_fn(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w))
       >>> loss = jamp.autocast(loss_fn, dtype=jnp.bfloat16)
-      >>> grads = jax.jit(jax.grad(loss))(params, batch)
+      >>> w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+      >>> grads = jax.jit(jax.grad(loss))(w, x)  # the matmuls ran in bfloat16
+      >>> grads.dtype  # grads come back in the params' dtype
+      dtype('float32')
     """
     if isinstance(fn, str):  # torch.autocast("cuda", torch.float16, ...)
         if device_type is not None:
@@ -117,8 +127,10 @@ class AutocastRegion:
 
     def __init__(self, *, device_type=None, dtype=None, enabled=True, cache_enabled=None,
                  op_table=None, cast_outputs=True):
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled={enabled!r}: expected True or False.")
+        enabled = check_bool("enabled", enabled)
+        cast_outputs = check_bool("cast_outputs", cast_outputs)
+        cache_enabled = True if cache_enabled is None else check_bool("cache_enabled",
+                                                                       cache_enabled)
         self._explicit_device = device_type is not None
         if device_type is None:
             device_type = op_table.device_type if op_table is not None else jax.default_backend()
@@ -128,7 +140,7 @@ class AutocastRegion:
         self.dtype = (rules.check_autocast_dtype(dtype) if dtype is not None
                       else self.table.default_dtype)
         self.enabled = enabled
-        self.cache_enabled = True if cache_enabled is None else bool(cache_enabled)
+        self.cache_enabled = cache_enabled
         self.cast_outputs = cast_outputs
         self._custom_table = op_table is not None
         self._scopes: list = []

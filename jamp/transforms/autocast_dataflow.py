@@ -47,7 +47,7 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
     def demanded(var) -> bool:
         return demanded_uses[var] > 0 and (var in reduced or demanded_uses[var] == uses[var])
 
-    seeds = {i for i, (eqn, region) in enumerate(zip(eqns, regions))
+    seeds = {i for i, (eqn, region) in enumerate(zip(eqns, regions, strict=True))
              if _is_seed(eqn, region) and any(_castable(v) for v in eqn.outvars)}
     # An op that combines a float32 op's result with other values computes in float32 anyway
     # (it promotes): `shifted - log(sum(exp(shifted)))` in log_softmax, `max(x, 0) +
@@ -97,7 +97,8 @@ def _statistics(jaxpr: jx.Jaxpr) -> frozenset:
         elif name in CALLS:  # jnp.var and jnp.mean are jits
             body = jx.call_body(eqn).jaxpr
             inner = _statistics(body)
-            reduced.update(o for o, b in zip(eqn.outvars, body.outvars) if b in inner)
+            reduced.update(o for o, b in zip(eqn.outvars, body.outvars, strict=True)
+                           if b in inner)
     return frozenset(reduced)
 
 

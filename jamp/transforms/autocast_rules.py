@@ -196,12 +196,12 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     traced = [o.traced for o in operands]
     if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
-        return [t if ok else None for ok, t in zip(castable, traced)]
+        return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
     if float32 and region.enabled:
         return [FLOAT32 if ok else None for ok in castable]
     fixed = _fixed_dtype(primitive_name, region)
     if fixed is not None and not any(
-            ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands)):
+            ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands, strict=True)):
         return [fixed if ok else None for ok in castable]
     # A constant the low dtype cannot represent saturates at its finite range (its nearest
     # value) in an op that passes it through; any other op computes in the constant's dtype.

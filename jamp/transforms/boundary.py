@@ -203,7 +203,7 @@ def _function_reach(fn) -> list[tuple[str, Any]]:
     if hasattr(fn, "__wrapped__"):
         found.append(("wrapped", fn.__wrapped__))
     code = fn.__code__
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
         try:
             found.append((name, cell.cell_contents))
         except ValueError:  # an empty cell: a name not bound yet
@@ -296,7 +296,7 @@ class Call:
     def arguments(self, arrays: Sequence[Any]) -> tuple[tuple, dict]:
         """The call's (args, kwargs) with the traced arrays replaced by `arrays`."""
         full = list(self.leaves)
-        for i, a in zip(self.traced, arrays):
+        for i, a in zip(self.traced, arrays, strict=True):
             full[i] = a
         return jax.tree_util.tree_unflatten(self.in_tree, full)
 
@@ -324,7 +324,7 @@ class Call:
     def state_values(self, arrays: Sequence[Any]) -> list:
         """The NNX state's values with its array leaves replaced by `arrays`."""
         full = list(self.state_leaves)
-        for i, a in zip(self.state_traced, arrays):
+        for i, a in zip(self.state_traced, arrays, strict=True):
             full[i] = a
         return jax.tree_util.tree_unflatten(self.state_tree, full)
 
@@ -339,7 +339,7 @@ def _state_names(state: nnx_state.State) -> tuple[str, ...]:
 
 
 def _aval_key(x) -> tuple:
-    aval = jx.typeof(x)
+    aval = jax.typeof(x)
     return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)),
             getattr(aval, "sharding", None), getattr(aval, "manual_axis_type", None))
 

@@ -26,9 +26,21 @@ def custom_fwd(fwd: Callable | None = None, *, cast_inputs: Any = None):
     nothing is differentiated: decorate it too for the same dtypes either way.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jamp
       >>> @jax.custom_vjp
-      ... def f(x, w): ...
-      >>> f.defvjp(jamp.custom_fwd(f_fwd, cast_inputs=jnp.float32), jamp.custom_bwd(f_bwd))
+      ... def scaled_matmul(x, w):
+      ...     return 2.0 * (x @ w)
+      >>> def fwd(x, w):
+      ...     return 2.0 * (x @ w), (x, w)
+      >>> def bwd(res, g):
+      ...     x, w = res
+      ...     return 2.0 * (g @ w.T), 2.0 * (x.T @ g)
+      >>> scaled_matmul.defvjp(jamp.custom_fwd(fwd, cast_inputs=jnp.float32),
+      ...                      jamp.custom_bwd(bwd))
+      >>> loss = jamp.autocast(lambda x, w: scaled_matmul(x, w).sum(), dtype=jnp.bfloat16)
+      >>> jax.grad(loss, argnums=1)(jnp.ones((3, 2)), jnp.ones((2, 2)))
+      Array([[6., 6.],
+             [6., 6.]], dtype=float32)
     """
     if fwd is None:
         return functools.partial(custom_fwd, cast_inputs=cast_inputs)
@@ -45,7 +57,7 @@ def custom_fwd(fwd: Callable | None = None, *, cast_inputs: Any = None):
             # An identity that the interpreter turns into the cast, only where autocast is on.
             with jax.named_scope(rules.marker(cast_inputs=dtype)):
                 barrier = lax.optimization_barrier([leaves[i] for i in floating])
-            for i, x in zip(floating, barrier):
+            for i, x in zip(floating, barrier, strict=True):
                 leaves[i] = x
         a, kw = jax.tree_util.tree_unflatten(tree, leaves)
         with jax.named_scope(rules.marker(enabled=False, as_is=True)):

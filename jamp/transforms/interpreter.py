@@ -81,13 +81,9 @@ class Context:
         return self.plans[key]
 
 
-def dtype_of(x):
-    return x.dtype
-
-
 def cast(x, dtype):
     """Casts a value; numpy scalars (literals) stay numpy so they remain literals."""
-    if dtype_of(x) == dtype:
+    if x.dtype == dtype:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x, dtype=dtype)
@@ -97,8 +93,8 @@ def cast(x, dtype):
 def cast_to_avals(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
     """Casts each castable floating value to the dtype of its aval (e.g. back to the traced
     dtypes); other values are returned as they are."""
-    return [cast(v, a.dtype) if hasattr(v, "dtype") and rules.is_castable(dtype_of(v))
-            and rules.is_castable(a.dtype) else v for v, a in zip(values, avals)]
+    return [cast(v, a.dtype) if hasattr(v, "dtype") and rules.is_castable(v.dtype)
+            and rules.is_castable(a.dtype) else v for v, a in zip(values, avals, strict=True)]
 
 
 def _avals_key(avals) -> tuple:
@@ -133,7 +129,7 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
                 outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
             else:
                 outs = _first_order(eqn, regions[i], frame, i in float32)
-        frame.env.update(zip(eqn.outvars, outs))
+        frame.env.update(zip(eqn.outvars, outs, strict=True))
     return [frame.read(v) for v in jaxpr.outvars]
 
 
@@ -153,14 +149,15 @@ class _Frame:
         self.kernel: set = set()     # low values of a linear layer's kernel (see `_follower`)
 
     def bind(self, variables, values, constants=None) -> None:
-        self.env.update(zip(variables, values))
-        for var, value, known in zip(variables, values, constants or [None] * len(values)):
+        self.env.update(zip(variables, values, strict=True))
+        for var, value, known in zip(variables, values, constants or [None] * len(values),
+                                      strict=True):
             if known is None:
                 known = _scalar_constant(value)
             if known is not None:
                 self.constants[var] = known
             self.weights[var] = _size(var)
-            if _weak_scalar(var.aval) or _weak_scalar(jx.typeof(value)):
+            if _weak_scalar(var.aval) or _weak_scalar(jax.typeof(value)):
                 self.scalar_like.add(var)
 
     def read(self, atom):
@@ -185,11 +182,11 @@ class _Frame:
         if isinstance(atom, jx.Literal):
             return np.ndim(atom.val) == 0
         return (atom in self.scalar_like or atom in self.constants or _weak_scalar(atom.aval)
-                or _weak_scalar(jx.typeof(self.env[atom])))
+                or _weak_scalar(jax.typeof(self.env[atom])))
 
     def read_cast(self, atom, dtype, saturating: bool = False):
         value = self.read(atom)
-        if dtype is None or dtype_of(value) == dtype:
+        if dtype is None or value.dtype == dtype:
             return value
         if not self.cache_enabled or isinstance(atom, jx.Literal):
             return self._cast(atom, value, dtype, saturating)
@@ -208,7 +205,7 @@ class _Frame:
     def operand(self, atom) -> rules.Operand:
         if not rules.is_floating(atom.aval):
             return rules.Operand(None, None)
-        return rules.Operand(dtype_of(self.read(atom)), np.dtype(atom.aval.dtype),
+        return rules.Operand(self.read(atom).dtype, np.dtype(atom.aval.dtype),
                              follows=self.follows(atom), constant=self.constant(atom))
 
     def note(self, eqn, values: Sequence[Any], kernel: bool = False) -> list:
@@ -231,8 +228,8 @@ class _Frame:
             # broadcasts it weak: both stay scalar-like (a strong array broadcast is not), as
             # does an integer scalar converted (a count).
             if self._all_follow(eqn) and all(
-                    not o.aval.shape or getattr(jx.typeof(v), "weak_type", False)
-                    for o, v in zip(outs, values)):
+                    not o.aval.shape or getattr(jax.typeof(v), "weak_type", False)
+                    for o, v in zip(outs, values, strict=True)):
                 self.scalar_like.update(outs)
         elif (name in primitives.ELEMENTWISE and all(not o.aval.shape for o in outs)
               and self._all_follow(eqn)):
@@ -286,7 +283,7 @@ def _scalar_constant(value) -> np.generic | None:
 
 def saturate(value, dtype):
     """`value` with finite entries beyond `dtype`'s range clipped to it (infinities kept)."""
-    low, high = (np.asarray(v, dtype_of(value)) for v in rules.finite_range(dtype))
+    low, high = (np.asarray(v, value.dtype) for v in rules.finite_range(dtype))
     if isinstance(value, (np.ndarray, np.generic)):
         return np.where(np.isfinite(value), np.clip(value, low, high), value).astype(value.dtype)
     return lax.select(lax.is_finite(value), lax.clamp(low, value, high), value)
@@ -299,15 +296,15 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
         # already has is dropped.
         value = frame.read(eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        if dtype_of(value) == np.dtype(new_dtype) and not weak_type:
+        if value.dtype == np.dtype(new_dtype) and not weak_type:
             return frame.note(eqn, [value])
         return frame.note(eqn, jx.bind(eqn, eqn.params, [value]))
     if name == "optimization_barrier" and region.cast_inputs is not None:
         values = [frame.read(a) for a in eqn.invars]
-        targets = [region.cast_inputs if rules.is_castable(dtype_of(v)) else None
+        targets = [region.cast_inputs if rules.is_castable(v.dtype) else None
                    for v in values]
         return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
-                                         for v, t in zip(values, targets)])
+                                         for v, t in zip(values, targets, strict=True)])
     floating = [rules.is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
         return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
@@ -324,9 +321,9 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     # large would overflow the layer's result anyway). A scale is cast plainly.
     bias = follower if name in _ADDITIVE else None
     invals = [frame.read_cast(a, t, saturating=i == bias)
-              for i, (a, t) in enumerate(zip(eqn.invars, targets))]
+              for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
     first = floating.index(True)
-    result = dtype_of(invals[first])
+    result = invals[first].dtype
     kernel = result in _BELOW_FP32 and (_is_linear_layer(eqn, region, frame) or (
         name in _EPILOGUE and any(a in frame.kernel for a in eqn.invars
                                   if not isinstance(a, jx.Literal))))
@@ -336,7 +333,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     traced = rules.widest(o.traced for o in operands if o.traced is not None)
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
     if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
-        invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating)]
+        invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating, strict=True)]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
         outs = jx.bind(eqn, params, invals)
         return frame.note(eqn, [cast(o, result) if rules.is_floating(o) else o for o in outs])
@@ -427,7 +424,7 @@ def _weak_literal_avals(values) -> list[Any]:
     """Avals of the values passed into a sub-jaxpr; rank-0 literals (numpy scalars here) become
     weak-typed, so that inside the body they still follow the other operand."""
     return [jx.weak_aval(v) if isinstance(v, (np.ndarray, np.generic)) and np.ndim(v) == 0
-            else jx.typeof(v) for v in values]
+            else jax.typeof(v) for v in values]
 
 
 def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.ClosedJaxpr:
@@ -478,12 +475,13 @@ def _custom_jvp_rule(eqn, invals, region, ctx, constants):
     # bfloat16. The user's jvp rule is traced for the same dtypes and its outputs are cast to
     # the primal body's, so primal and tangent types agree as JAX requires.
     call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals, constants)
-    primal_avals = [jx.typeof(v) for v in invals[jx.custom_call_num_consts(eqn.params):]]
+    primal_avals = [jax.typeof(v) for v in invals[jx.custom_call_num_consts(eqn.params):]]
     out_avals = call.out_avals
 
     def transform(jvp_closed, zeros, out_zeros):
-        tangent_avals = [jx.tangent_aval(a) for a, z in zip(primal_avals, zeros) if not z]
-        tangent_out_avals = [a for a, z in zip(out_avals, out_zeros) if not z]
+        tangent_avals = [jx.tangent_aval(a) for a, z in zip(primal_avals, zeros, strict=True)
+                         if not z]
+        tangent_out_avals = [a for a, z in zip(out_avals, out_zeros, strict=True) if not z]
 
         def body(*args):
             outs = eval_jaxpr(jvp_closed, args, region, ctx)
@@ -513,7 +511,7 @@ def _custom_vjp_rule(eqn, invals, region, ctx, constants):
                     None if jx.has_no_logs(logs) else logs)
                 return [c for c in cts if not jx.is_symbolic_zero(c)] + leaves
 
-            closed = jx.trace_closed(arrays_only, [jx.typeof(a) for a in args])
+            closed = jx.trace_closed(arrays_only, [jax.typeof(a) for a in args])
             values = _eval_kept(closed, args, bwd_region, ctx)
             num_cts = len(values) - seen["logs_tree"].num_leaves
             arrays = iter(values[:num_cts])
@@ -535,6 +533,7 @@ def _eval_kept(closed, args, region, ctx) -> list[Any]:
 HIGHER_ORDER_RULES: dict[str, Callable] = {
     "jit": _jit_rule,
     "closed_call": _jit_rule,
+    "eval_jaxpr": _jit_rule,  # closed_call's name in jax after 0.11.0
     "remat2": _remat_rule,
     "shard_map": _shard_map_rule,
     "scan": _kept_rule,

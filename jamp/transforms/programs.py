@@ -77,7 +77,7 @@ class Program:
         def program(*inputs):
             consts = list(user.consts)
             substitutes = {}
-            for slot, k, value in zip(slots, lifted, inputs[num_in:]):
+            for slot, k, value in zip(slots, lifted, inputs[num_in:], strict=True):
                 if slot is None:  # a literal of the program (see _lift_closure_arrays)
                     substitutes[id(call.reach.arrays[k])] = value
                 else:
@@ -90,7 +90,7 @@ class Program:
             # NNX state keeps its dtype whatever cast_outputs says.
             return results + interpreter.cast_to_avals(state, user.out_avals[num_results:])
 
-        avals = list(user.in_avals) + [jx.typeof(call.reach.arrays[k]) for k in lifted]
+        avals = list(user.in_avals) + [jax.typeof(call.reach.arrays[k]) for k in lifted]
         jaxpr = jx.trace_closed(program, avals)
         cacheable = (cacheable and traced.cacheable and call.key is not None
                      and not any(jx.is_tracer(c) for c in jaxpr.consts))
@@ -157,7 +157,7 @@ class _Trace:
 
         jx.with_debug_info(flat_fn, fn, call.names)
         live = jax.live_arrays()  # held while tracing, so that their ids stay theirs
-        self.jaxpr = jx.trace_closed(flat_fn, [jx.typeof(x) for x in call.inputs])
+        self.jaxpr = jx.trace_closed(flat_fn, [jax.typeof(x) for x in call.inputs])
         self.live = {id(a) for a in live}
 
     def _record(self, call, flat, leaves, tree, objects, after, after_values) -> list:

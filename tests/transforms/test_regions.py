@@ -9,10 +9,7 @@ from jax import lax
 
 import jamp
 
-BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-
-X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
-W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+from helpers import BF16, F16, F32, W, X, lowered_op_types
 
 
 def cpu(f, **kw):
@@ -30,20 +27,20 @@ def three_regions(x, w):
     return a, b, c, d, e
 
 
-def test_regions_set_each_ops_dtype(variant, inspect):
+def test_regions_set_each_ops_dtype(variant):
     outs = variant(cpu(three_regions))(X, W)
     assert [o.dtype for o in outs] == [BF16, F32, F16, F32, BF16]
-    assert inspect.lowered_op_types(cpu(three_regions), X, W, op="dot_general") == [
+    assert lowered_op_types(cpu(three_regions), X, W, op="dot_general") == [
         ("bfloat16",) * 3, ("float32",) * 3, ("float16",) * 3, ("float32",) * 3,
         ("bfloat16",) * 3]
     for got, want in zip(outs, three_regions(X, W)):
         np.testing.assert_allclose(got.astype(F32), want, rtol=3e-2, atol=3e-2)
 
 
-def test_regions_survive_differentiation(inspect):
+def test_regions_survive_differentiation():
     loss = lambda x, w: sum(jnp.sum(o) for o in three_regions(x, w))
     g = jax.grad(jamp.autocast(loss, device_type="cpu"), argnums=1)
-    dots = inspect.lowered_op_types(g, X, W, op="dot_general")
+    dots = lowered_op_types(g, X, W, op="dot_general")
     # Each region's backward matmuls run in its forward's dtype.
     assert sorted(set(t[0] for t in dots)) == ["bfloat16", "float16", "float32"]
     assert g(X, W).dtype == F32
@@ -51,16 +48,16 @@ def test_regions_survive_differentiation(inspect):
     np.testing.assert_allclose(g(X, W), want, rtol=3e-2, atol=3e-2)
 
 
-def test_grad_taken_inside_a_region(inspect):
+def test_grad_taken_inside_a_region():
     def f(x, w):
         with jamp.autocast(enabled=False):
             return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
 
     # Under jax.grad the region's names become jvp(...) and transpose(jvp(...)).
-    assert set(inspect.lowered_op_types(cpu(f), X, W, op="dot_general")) == {("float32",) * 3}
+    assert set(lowered_op_types(cpu(f), X, W, op="dot_general")) == {("float32",) * 3}
 
 
-def test_region_is_carried_into_nested_jit_and_scan(variant, inspect):
+def test_region_is_carried_into_nested_jit_and_scan(variant):
     @jax.jit
     def layer(x, w):
         return x @ w
@@ -106,7 +103,7 @@ def test_region_outside_a_transform_changes_nothing():
 
 
 def test_region_refuses_an_op_table():
-    table = jamp.transforms.autocast_table("cpu")
+    table = jamp.policy.autocast_table("cpu")
     with pytest.raises(ValueError, match="op_table applies to a transform"):
         with jamp.autocast(op_table=table):
             pass
