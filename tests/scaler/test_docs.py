@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+import doc_blocks
 import jamp
 import jamp.scaler as js
 
@@ -36,8 +37,10 @@ def block_with(text):
     return found[0]
 
 
-def test_every_block_is_exercised():
-    assert len(BLOCKS) == 8
+def test_whole_document_runs_in_order():
+    # Every block runs, top to bottom, in one namespace; the tests below check what they do.
+    assert not doc_blocks.convention_errors(DOC)
+    doc_blocks.run_document(DOC, namespace=namespace())
 
 
 def test_jmp_block():
@@ -52,7 +55,7 @@ def test_jmp_block():
 
 def test_grad_scaler_block():
     ns = namespace()
-    exec(block_with("scaler = jamp.GradScaler()"), ns)
+    exec(block_with("scaler_state = scaler.init()"), ns)
     params, opt_state, state = ns["train_step"](ns["params"], ns["opt_state"],
                                                 ns["scaler_state"], ns["batch"])
     assert int(state.growth_tracker) == 1
@@ -108,3 +111,13 @@ def test_checkpoint_block():
     ns.update(tx=tx, opt_state=tx.init(ns["params"]))
     exec(block_with("flax.serialization.to_bytes"), ns)
     assert isinstance(ns["opt_state"], js.LossScaledState)
+
+
+def test_flax_dynamic_scale_block():
+    ns = namespace()
+    exec(block_with("dynamic_scale: jamp.DynamicScale"), ns)
+    state = ns["flax_state"]
+    assert int(state.dynamic_scale.fin_steps) == 1
+    skipped, _ = ns["flax_step"](state, ns["batch"] * np.inf)
+    np.testing.assert_array_equal(skipped.params["w"], state.params["w"])
+    assert float(skipped.dynamic_scale.scale) == 32768.0

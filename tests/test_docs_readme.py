@@ -1,0 +1,69 @@
+"""The README's code runs as written, top to bottom, and does what its text says.
+
+The conventions (which blocks run, in what namespace, how a block is kept from running) are
+those of `doc_blocks`.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import doc_blocks
+
+DOC = pathlib.Path(__file__).parents[1] / "README.md"
+
+
+def test_blocks_follow_the_convention():
+    assert doc_blocks.convention_errors(DOC) == []
+    assert sum(b.runs for b in doc_blocks.blocks(DOC)) >= 4
+
+
+def _tour(ns):
+    assert int(ns["opt_state"].total_steps) == 1 and bool(ns["opt_state"].last_finite)
+
+
+def _policy(ns):
+    assert str(ns["policy"]) == "p=full,c=bf16,o=full"
+    assert ns["logits"].dtype == jnp.float32
+
+
+def _opt_levels(ns):
+    props = ns["props"]
+    assert (props.cast_model_type, props.master_weights, props.loss_scale) == (
+        jnp.float16, True, 128.0)
+    assert len(props.options) == 7
+
+
+def _region(ns):
+    assert ns["value"].dtype == jnp.float32
+    leaves = jax.tree_util.tree_leaves
+    for g, p in zip(leaves(ns["grads"]), leaves(ns["params"]), strict=True):
+        assert g.dtype == p.dtype and np.all(np.isfinite(g))
+
+
+CHECKS = {
+    "def step(": _tour,
+    "jamp.get_policy(": _policy,
+    "jamp.properties(": _opt_levels,
+    "jamp.autocast(enabled=False)": _region,
+}
+
+
+def test_blocks_run_and_do_what_the_text_says():
+    doc_blocks.run_document(DOC, checks=CHECKS)
+
+
+def test_the_convention_catches_untested_blocks(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "```\nx = 1\n```\n"                                   # no language
+        "```text\n>>> 1 + 1\n2\n```\n"                         # a session outside pycon
+        "<!-- not run: -->\n```python\nx = 2\n```\n"           # a marker without a reason
+        "<!-- not run: a sketch -->\n```python\nraise SystemExit\n```\n"
+        "```python\nx = 3\n```\n"
+        "```pycon\n>>> x + 1\n4\n```\n")
+    errors = doc_blocks.convention_errors(doc)
+    assert [e.split(": ", 1)[0] for e in errors] == [f"{doc}:{n}" for n in (2, 5, 10)]
+    assert doc_blocks.run_document(doc)["x"] == 3  # the marked blocks did not run
