@@ -28,5 +28,15 @@ from jamp.scaler import (
     select_tree,
 )
 from jamp.transforms import autocast, custom_bwd, custom_fwd
+from jamp import frontend
+from jamp.frontend import (
+    MasterWeightsState,
+    initialize,
+    load_state_dict,
+    master_params,
+    master_weights,
+    scale_loss,
+    state_dict,
+)
 
 __version__ = "0.1.0"

@@ -16,7 +16,12 @@ from jamp.scaler.loss_scale import (
     all_finite,
     select_tree,
 )
-from jamp.scaler.optax_wrapper import LossScaledState, get_loss_scale, loss_scaled
+from jamp.scaler.optax_wrapper import (
+    LossScaledState,
+    find_loss_scaled_states,
+    get_loss_scale,
+    loss_scaled,
+)
 from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
 
 del _serialization
@@ -24,6 +29,7 @@ del _serialization
 __all__ = [
     "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",
     "LossScale", "LossScaledState", "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad",
-    "StateDictKeyError", "StaticLossScale", "all_finite", "get_loss_scale", "loss_scaled",
+    "StateDictKeyError", "StaticLossScale", "all_finite", "find_loss_scaled_states",
+    "get_loss_scale", "loss_scaled",
     "scaled_value_and_grad", "select_tree",
 ]

@@ -107,7 +107,8 @@ def loss_scaled(
         or a number (a static scale). With `num_losses > 1`, one of these for all losses or a
         sequence of `num_losses`.
       num_losses: Apex's `num_losses`: K independent scales. `update` then takes a sequence
-        of K grad trees, the k-th from `get_loss_scale(opt_state, loss_id=k).scale(loss_k)`;
+        of K grad trees, the k-th from `get_loss_scale(opt_state, loss_id=k).scale(loss_k)`
+        (None for a loss that reaches none of these params: its scale is left unchanged);
         each is unscaled with its own scale, each scale adjusts to its own finiteness only,
         and the unscaled grads are summed for the inner update, which is skipped if any of
         them is not finite.
@@ -169,14 +170,19 @@ def loss_scaled(
             if len(grad_trees) != num_losses:
                 raise ValueError(f"update expects a sequence of {num_losses} grad trees (one "
                                  f"per loss), got {len(grad_trees)}.")
-        unscaled = [ls.unscale(g) for ls, g in zip(scales, grad_trees, strict=True)]
-        finites = [all_finite(g, axis_name) for g in unscaled]
-        grads = unscaled[0]
-        for more in unscaled[1:]:
-            grads = jax.tree_util.tree_map(jnp.add, grads, more)
-        finite = finites[0]
-        for f in finites[1:]:
-            finite = finite & f
+        # A None entry: that loss reaches none of these params (a GAN's generator loss, seen
+        # by the discriminator's optimizer). Its scale is left as it is.
+        present = [k for k, g in enumerate(grad_trees) if g is not None]
+        if not present:
+            raise ValueError("update got no grads: every entry of the sequence is None.")
+        unscaled = {k: scales[k].unscale(grad_trees[k]) for k in present}
+        finites = {k: all_finite(g, axis_name) for k, g in unscaled.items()}
+        grads = unscaled[present[0]]
+        for k in present[1:]:
+            grads = jax.tree_util.tree_map(jnp.add, grads, unscaled[k])
+        finite = finites[present[0]]
+        for k in present[1:]:
+            finite = finite & finites[k]
 
         def inner_update(grads, inner_state):
             return inner.update(grads, inner_state, params, **extra_args)
@@ -191,10 +197,11 @@ def loss_scaled(
             new_inner = select_tree(finite, new_inner, old_inner)
         else:
             new_updates, new_inner = _update_if(finite, inner_update, grads, state.inner_state)
-        new_scales = tuple(ls.adjust(f) for ls, f in zip(scales, finites, strict=True))
+        new_scales = tuple(ls.adjust(finites[k]) if k in finites else ls
+                           for k, ls in enumerate(scales))
         if report:
-            for loss_id, (ls, f) in enumerate(zip(new_scales, finites)):
-                _report_overflow(f, loss_id, ls.loss_scale)
+            for loss_id in present:
+                _report_overflow(finites[loss_id], loss_id, new_scales[loss_id].loss_scale)
         return new_updates, LossScaledState(
             loss_scale=new_scales[0] if num_losses == 1 else new_scales,
             inner_state=new_inner,
@@ -259,7 +266,8 @@ def _report_overflow(finite: jax.Array, loss_id: int, new_scale: Any) -> None:
         say()
 
 
-def _find_states(opt_state: Any) -> list[LossScaledState]:
+def find_loss_scaled_states(opt_state: Any) -> list[LossScaledState]:
+    """Every `LossScaledState` inside `opt_state` (through chains and any other pytree)."""
     is_ours = lambda x: isinstance(x, LossScaledState)
     return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ours) if is_ours(x)]
 
@@ -277,7 +285,7 @@ def get_loss_scale(opt_state: Any, loss_id: int = 0) -> Any:
     Raises:
       ValueError: no `loss_scaled` state in `opt_state`, more than one, or a bad `loss_id`.
     """
-    found = _find_states(opt_state)
+    found = find_loss_scaled_states(opt_state)
     if len(found) != 1:
         raise ValueError(
             f"get_loss_scale expects an optimizer state holding exactly one loss_scaled state, "

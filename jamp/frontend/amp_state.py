@@ -1,0 +1,130 @@
+"""Apex's amp-level functions on an optimizer state: `scale_loss`, `state_dict`,
+`load_state_dict`.
+
+Apex keeps its loss scalers in a global; jamp keeps them in the optimizer state that
+`jamp.initialize` (or `jamp.loss_scaled`) made, so these functions take that state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp.scaler import (
+    DynamicLossScale,
+    GradScalerState,
+    LossScaledState,
+    NoOpLossScale,
+    StaticLossScale,
+    find_loss_scaled_states,
+    get_loss_scale,
+)
+
+_PREFIX = "loss_scaler"
+
+
+def scale_loss(loss: Any, opt_state: Any, loss_id: int = 0) -> Any:
+    """Apex's `amp.scale_loss`: `loss` times the current scale of loss `loss_id`.
+
+    Differentiate the result and pass the grads to the optimizer's `update`, which unscales
+    them (Apex does that when its context manager exits). With a list of optimizer states (a
+    loss whose grads reach several optimizers), the first one's scale is used.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> tx = jamp.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(jnp.ones(2))
+      >>> jamp.scale_loss(jnp.float32(0.5), opt_state)
+      Array(32768., dtype=float32)
+    """
+    if isinstance(opt_state, (list, tuple)) and opt_state and not _holds_one(opt_state):
+        opt_state = opt_state[0]
+    return get_loss_scale(opt_state, loss_id=loss_id).scale(loss)
+
+
+def _holds_one(opt_state) -> bool:
+    return len(find_loss_scaled_states(opt_state)) == 1
+
+
+def _the_state(opt_state: Any) -> LossScaledState:
+    found = find_loss_scaled_states(opt_state)
+    if len(found) != 1:
+        raise ValueError(f"expected an optimizer state holding exactly one loss_scaled state "
+                         f"(what jamp.initialize's optimizers hold), found {len(found)}.")
+    return found[0]
+
+
+def _scales(state: LossScaledState) -> tuple:
+    return state.loss_scale if isinstance(state.loss_scale, tuple) else (state.loss_scale,)
+
+
+def _counter(ls: Any) -> int:
+    if isinstance(ls, DynamicLossScale):
+        return int(np.asarray(ls.counter))
+    if isinstance(ls, GradScalerState):
+        return int(np.asarray(ls.growth_tracker))
+    return 0
+
+
+def state_dict(opt_state: Any) -> dict[str, dict[str, Any]]:
+    """Apex's amp state dict: `{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}`,
+    one entry per loss, as Python numbers."""
+    return {f"{_PREFIX}{k}": {"loss_scale": float(np.asarray(ls.loss_scale)),
+                              "unskipped": _counter(ls)}
+            for k, ls in enumerate(_scales(_the_state(opt_state)))}
+
+
+def _loaded(ls: Any, entry: dict) -> Any:
+    scale, unskipped = entry["loss_scale"], entry["unskipped"]
+    if isinstance(ls, DynamicLossScale):
+        return dataclasses.replace(
+            ls, loss_scale=jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype),
+            counter=jnp.asarray(unskipped, jnp.asarray(ls.counter).dtype))
+    if isinstance(ls, GradScalerState):
+        return dataclasses.replace(ls, loss_scale=jnp.asarray(scale, jnp.float32),
+                                   growth_tracker=jnp.asarray(unskipped, jnp.int32))
+    if isinstance(ls, StaticLossScale):
+        return StaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype))
+    if isinstance(ls, NoOpLossScale):
+        return ls
+    raise TypeError(f"cannot load a state into a loss scale of type {type(ls).__name__}.")
+
+
+def load_state_dict(opt_state: Any, state_dict: dict) -> Any:
+    """`opt_state` with its loss scales loaded from Apex's amp state dict (Apex's rules).
+
+    A count of entries different from the optimizer's number of losses warns, and entries past
+    that number are skipped with a warning, as in Apex.
+
+    Raises:
+      RuntimeError: a key that is not a `loss_scaler` entry (Apex's message).
+    """
+    current = _the_state(opt_state)
+    scales = list(_scales(current))
+    if len(state_dict) != len(scales):
+        warnings.warn(f"Warning: state_dict contains {len(state_dict)} entries, while "
+                      f"{len(scales)} loss_scalers are used", stacklevel=2)
+    unexpected = [key for key in state_dict if _PREFIX not in key]
+    if unexpected:
+        raise RuntimeError(
+            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+            + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    for idx, key in enumerate(k for k in state_dict if _PREFIX in k):
+        if idx > len(scales) - 1:
+            warnings.warn(f"Skipping loss_scaler[{idx}], since num_losses was set to "
+                          f"{len(scales)}", stacklevel=2)
+            break
+        scales[idx] = _loaded(scales[idx], state_dict[key])
+    loaded = current._replace(
+        loss_scale=tuple(scales) if isinstance(current.loss_scale, tuple) else scales[0])
+    is_ours = lambda x: isinstance(x, LossScaledState)
+    return jax.tree_util.tree_map(lambda x: loaded if x is current else x, opt_state,
+                                  is_leaf=is_ours)
+
+
+__all__: Sequence[str] = ("scale_loss", "state_dict", "load_state_dict")

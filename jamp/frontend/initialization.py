@@ -1,0 +1,391 @@
+"""Apex's `amp.initialize` for Flax linen models and optax optimizers.
+
+`initialize` takes what a Flax user has (the model's `apply` function, its variables and optax
+transformations) and returns the same kinds, changed as Apex's opt level says:
+
+- O0: float32 throughout (inputs cast to float32).
+- O1: params float32; the apply function runs under `jamp.autocast` (float16): Apex's patched
+  torch functions.
+- O2: params cast to `cast_model_type` (float16) except BatchNorm's, whose params and batch
+  statistics stay float32 (`keep_batchnorm_fp32`); a BatchNorm's output goes back to float16,
+  as Apex's cudnn batch norm does, so every conv and matmul runs in float16; floating inputs
+  are cast to float16; the optimizers keep float32 master weights.
+- O3: everything float16 (BatchNorm too, unless `keep_batchnorm_fp32=True`).
+
+Every returned optimizer is `jamp.loss_scaled(...)` (a static scale of 1.0 at O0 and O3).
+
+BatchNorm layers are found from the variables' structure: a module that keeps running
+statistics (a `batch_stats` entry) is a batch norm; at run time the layers cast back to half
+are those that are instances of `flax.linen.BatchNorm`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jamp._checks import check_bool, check_count
+from jamp.frontend.master_weights import master_weights as _master_weights
+from jamp.policy import properties
+from jamp.policy.dtypes import canonical_floating_dtype
+from jamp.policy.opt_levels import OPT_LEVELS
+from jamp.scaler import DynamicLossScale, StaticLossScale, loss_scaled
+from jamp.scaler.loss_scale import is_inexact
+from jamp.transforms import autocast
+
+_BATCH_STATS = "batch_stats"
+# Apex's dynamic loss scaler: 2**16 to start, doubled after 2000 clean steps, halved on overflow.
+_APEX_INIT_SCALE = 2.0**16
+_APEX_SCALE_WINDOW = 2000
+
+
+def initialize(
+    apply_fns: Any,
+    variables: Any,
+    txs: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: Any = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: Any = None,
+    master_weights: bool | None = None,
+    loss_scale: Any = None,
+    cast_model_outputs: Any = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+):
+    """Sets up Flax models and optax optimizers for mixed precision at an Apex opt level.
+
+    Args:
+      apply_fns: a linen model's `apply` (`model.apply`), or a list of them.
+      variables: the model's variables (`model.init(...)`), or a list, one per model.
+      txs: an optax transformation or a list of them (None for inference).
+      enabled: False returns everything unchanged.
+      opt_level: "O0", "O1", "O2" or "O3" (the letter O).
+      cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
+        Apex's overrides of the level's options (None keeps the level's value).
+      cast_model_outputs: a dtype the apply functions' outputs are cast to, at any level.
+      num_losses: K losses, each with its own loss scale (`jamp.scale_loss(..., loss_id=k)`;
+        `update` then takes a sequence of K grad trees).
+      verbosity: 1 prints Apex's "Selected optimization level" block; 0 is silent.
+      min_loss_scale, max_loss_scale: the dynamic loss scale's floor (None: none) and ceiling.
+
+    Returns:
+      `(apply_fns, variables)` or `(apply_fns, variables, txs)`, each a list where it was given
+      as one. Initialize the returned optimizers with the returned params:
+      `opt_state = tx.init(variables["params"])`.
+
+    Raises:
+      RuntimeError: an unknown opt level (Apex's message), or an inconsistent override with
+        `properties(strict=True)` semantics (here a warning).
+      TypeError: an apply function that is not a linen model's `apply`, or flags of the wrong
+        type.
+      ValueError: lists of different lengths, float64 params, `keep_batchnorm_fp32` given for a
+        model without BatchNorm, or a bad loss-scale setting.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jamp
+      >>> model = nn.Dense(4)
+      >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> apply_fn, variables, tx = jamp.initialize(
+      ...     model.apply, variables, optax.adam(1e-3), opt_level="O2", verbosity=0)
+      >>> variables["params"]["kernel"].dtype, apply_fn(variables, jnp.ones((2, 3))).dtype
+      (dtype('float16'), dtype('float16'))
+      >>> opt_state = tx.init(variables["params"])
+      >>> jamp.master_params(opt_state)["kernel"].dtype
+      dtype('float32')
+    """
+    enabled = check_bool("enabled", enabled)
+    if _is_nnx(apply_fns):
+        from jamp.frontend import nnx_initialization  # flax.nnx only when asked for
+        return nnx_initialization.initialize_nnx(
+            apply_fns, variables, enabled=enabled, opt_level=opt_level,
+            cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+            loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
+            num_losses=num_losses, verbosity=verbosity, min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale)
+    fns, fns_listed = _as_list(apply_fns)
+    all_variables, variables_listed = _as_list(variables)
+    if len(all_variables) != len(fns):
+        raise ValueError(f"initialize got {len(fns)} apply function(s) but {len(all_variables)} "
+                         f"set(s) of variables: give one variables dict per model.")
+    tx_list, txs_listed = ([], False) if txs is None else _as_list(txs)
+    if not enabled:
+        return (apply_fns, variables) if txs is None else (apply_fns, variables, txs)
+    num_losses = check_count("num_losses", num_losses)
+    verbosity = check_count("verbosity", verbosity, minimum=0)
+    for i, fn in enumerate(fns):
+        _check_flax_apply(fn, i if fns_listed else None)
+    for i, v in enumerate(all_variables):
+        _check_variables(v, i if variables_listed else None)
+
+    overrides = dict(cast_model_type=cast_model_type,
+                     patch_torch_functions=patch_torch_functions,
+                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                     loss_scale=loss_scale)
+    props = properties(opt_level, **overrides)
+    if verbosity:
+        _print_options(opt_level, props)
+    if keep_batchnorm_fp32 is not None:
+        for i, v in enumerate(all_variables):
+            if not batch_norm_paths(v):
+                where = f"model {i}" if fns_listed else "the model"
+                raise ValueError(
+                    f"keep_batchnorm_fp32={keep_batchnorm_fp32!r} was given, but {where} has no "
+                    f"BatchNorm layer (no module keeps batch_stats): leave it None.")
+    outputs_dtype = (None if cast_model_outputs is None
+                     else canonical_floating_dtype(cast_model_outputs, "cast_model_outputs"))
+
+    model_dtype = props.cast_model_type
+    keep_bn = bool(props.keep_batchnorm_fp32) if model_dtype is not None else True
+    new_variables = [cast_model(v, model_dtype, keep_bn) if model_dtype is not None else v
+                     for v in all_variables]
+    new_fns = [_amp_apply(fn, props, outputs_dtype) for fn in fns]
+    allowed = _param_dtypes(model_dtype, keep_bn)
+    new_txs = [_amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed)
+               for tx in tx_list]
+
+    out_fns = new_fns if fns_listed else new_fns[0]
+    out_vars = new_variables if variables_listed else new_variables[0]
+    if txs is None:
+        return out_fns, out_vars
+    return out_fns, out_vars, new_txs if txs_listed else new_txs[0]
+
+
+def _is_nnx(models: Any) -> bool:
+    """True for an `nnx.Module` or a list of them (the NNX form of `initialize`)."""
+    from flax import nnx
+    first = models[0] if type(models) in (list, tuple) and models else models
+    return isinstance(first, nnx.Module)
+
+
+def _as_list(value) -> tuple[list, bool]:
+    # Exactly a list or tuple: an optax GradientTransformation is a NamedTuple, not a list.
+    if type(value) in (list, tuple):
+        return list(value), True
+    return [value], False
+
+
+def _check_flax_apply(fn: Any, index: int | None) -> None:
+    where = "apply_fns" if index is None else f"apply_fns[{index}]"
+    module = getattr(fn, "__self__", None)
+    if not (callable(fn) and isinstance(module, nn.Module)
+            and getattr(fn, "__name__", "") == "apply"):
+        raise TypeError(
+            f"{where} must be a Flax linen model's apply function (`model.apply`), got "
+            f"{fn!r}. For an NNX model, pass the nnx.Module itself (and nnx.Optimizers).")
+
+
+def _check_variables(variables: Any, index: int | None) -> None:
+    where = "variables" if index is None else f"variables[{index}]"
+    if not (hasattr(variables, "get") and "params" in variables):
+        raise TypeError(f"{where} must be a Flax variables dict with a 'params' collection "
+                        f"(what model.init returns), got {type(variables).__name__}.")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(variables):
+        if is_inexact(leaf) and jnp.asarray(leaf).dtype == jnp.float64:
+            raise ValueError(
+                f"{where}{jax.tree_util.keystr(path)} is float64: amp opt levels start from "
+                f"float32 params (as Apex's float32 check does). Cast the model to float32 "
+                f"first.")
+
+
+def _print_options(opt_level: str, props) -> None:
+    print(f"Selected optimization level {OPT_LEVELS[opt_level].brief}")
+    print()
+    print("Defaults for this optimization level are:")
+    for name, value in properties(opt_level).options.items():
+        print(f"{name:22} : {value}")
+    print("Processing user overrides (additional kwargs that are not None)...")
+    print("After processing overrides, optimization options are:")
+    for name, value in props.options.items():
+        print(f"{name:22} : {value}")
+
+
+# --- the model's variables --------------------------------------------------------------------
+
+
+def batch_norm_paths(variables: Any) -> set[tuple]:
+    """The module paths (tuples of keys) of the batch norms in `variables`: the modules that
+    keep running statistics in the `batch_stats` collection."""
+    stats = variables.get(_BATCH_STATS) if hasattr(variables, "get") else None
+    if not stats:
+        return set()
+    paths = set()
+    for path, _ in jax.tree_util.tree_leaves_with_path(stats):
+        paths.add(tuple(_key(k) for k in path[:-1]))
+    return paths
+
+
+def _key(entry) -> Any:
+    return getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry)))
+
+
+def _under(path: tuple, prefixes: set[tuple]) -> bool:
+    return any(path[:len(p)] == p for p in prefixes)
+
+
+def cast_model(variables: Any, dtype: Any, keep_batchnorm_fp32: bool) -> Any:
+    """`variables` with params (and batch statistics) cast to `dtype`, Apex's model cast.
+
+    With `keep_batchnorm_fp32`, the params of batch norms and the batch statistics stay
+    float32. Other collections are left as they are.
+    """
+    dtype = np.dtype(dtype)
+    norms = batch_norm_paths(variables)
+
+    def cast_params(path, leaf):
+        keys = tuple(_key(k) for k in path)
+        if not is_inexact(leaf) or (keep_batchnorm_fp32 and _under(keys[:-1], norms)):
+            return leaf
+        return jnp.asarray(leaf).astype(dtype)
+
+    out = dict(variables)
+    out["params"] = jax.tree_util.tree_map_with_path(cast_params, variables["params"])
+    if _BATCH_STATS in variables and not keep_batchnorm_fp32:
+        out[_BATCH_STATS] = jax.tree_util.tree_map(
+            lambda x: jnp.asarray(x).astype(dtype) if is_inexact(x) else x,
+            variables[_BATCH_STATS])
+    return type(variables)(out) if not isinstance(variables, dict) else out
+
+
+def _param_dtypes(model_dtype, keep_bn) -> frozenset:
+    if model_dtype is None:
+        return frozenset({np.dtype(np.float32)})
+    return frozenset({np.dtype(model_dtype), np.dtype(np.float32)} if keep_bn
+                     else {np.dtype(model_dtype)})
+
+
+# --- the apply function -----------------------------------------------------------------------
+
+
+def cast_inputs(tree: Any, dtype: Any) -> Any:
+    """Apex's input cast: floating JAX arrays to `dtype`, objects with a `to(dtype)` method
+    through it, containers recursively. numpy arrays and Python numbers pass through uncast
+    (as Apex forwards numpy arrays)."""
+
+    def is_custom(x):
+        return callable(getattr(x, "to", None)) and not isinstance(x, (jax.Array, np.ndarray))
+
+    def cast(x):
+        if is_custom(x):
+            return x.to(dtype)
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree, is_leaf=is_custom)
+
+
+def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
+    model_dtype = props.cast_model_type
+    run = autocast(fn, dtype=jnp.float16) if props.patch_torch_functions else fn
+
+    @functools.wraps(fn)
+    def amp_apply(variables, *args, **kwargs):
+        if model_dtype is not None:
+            args, kwargs = cast_inputs((args, kwargs), model_dtype)
+            with nn.intercept_methods(_batch_norm_output_to(model_dtype)):
+                out = run(variables, *args, **kwargs)
+        else:
+            out = run(variables, *args, **kwargs)
+        if kwargs.get("mutable"):
+            out, updates = out
+            updates = _keep_dtypes(updates, variables)
+            return _cast_outputs(out, outputs_dtype), updates
+        return _cast_outputs(out, outputs_dtype)
+
+    amp_apply.amp_properties = props
+    return amp_apply
+
+
+def _batch_norm_output_to(dtype):
+    """An interceptor casting what a BatchNorm's `__call__` returns to `dtype` (the output of
+    a float32 batch norm goes back to the model's half type, as in Apex)."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
+            return jax.tree_util.tree_map(
+                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, out)
+        return out
+
+    return interceptor
+
+
+def _keep_dtypes(updates: Any, variables: Any) -> Any:
+    """Mutated collections (batch statistics) in the dtypes they came in with, so a training
+    step returns the state types it was given."""
+    def keep(path, new):
+        old = _lookup(variables, path)
+        if old is not None and is_inexact(new) and hasattr(old, "dtype"):
+            return jnp.asarray(new).astype(old.dtype)
+        return new
+
+    return jax.tree_util.tree_map_with_path(keep, updates)
+
+
+def _lookup(tree, path):
+    for entry in path:
+        key = _key(entry)
+        if not hasattr(tree, "get") or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _cast_outputs(out: Any, dtype) -> Any:
+    if dtype is None:
+        return out
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if isinstance(x, jax.Array)
+        and jnp.issubdtype(x.dtype, jnp.floating) else x, out)
+
+
+# --- the optimizer ----------------------------------------------------------------------------
+
+
+def apex_loss_scale(setting: Any, min_loss_scale: float | None, max_loss_scale: float):
+    """The loss scale Apex's `loss_scale` option asks for: dynamic (Apex's scaler: 2**16,
+    window 2000, factor 2, with the floor and ceiling) or a static number."""
+    if setting == "dynamic":
+        floor = 0.0 if min_loss_scale is None else min_loss_scale
+        return DynamicLossScale(jnp.float32(_APEX_INIT_SCALE), period=_APEX_SCALE_WINDOW,
+                                factor=2, min_loss_scale=jnp.float32(floor),
+                                max_loss_scale=max_loss_scale)
+    return StaticLossScale(jnp.float32(setting))
+
+
+def _amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed):
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"txs must be optax GradientTransformations, got {tx!r}.")
+    scales = [apex_loss_scale(props.loss_scale, min_loss_scale, max_loss_scale)
+              for _ in range(num_losses)]
+    amp_tx = loss_scaled(tx, scales[0] if num_losses == 1 else scales, num_losses=num_losses)
+    if props.master_weights:
+        amp_tx = _master_weights(amp_tx, num_losses=num_losses)
+
+    def init(params):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if is_inexact(leaf) and np.dtype(jnp.asarray(leaf).dtype) not in allowed:
+                raise ValueError(
+                    f"this optimizer was set up for {props.opt_level} params "
+                    f"({' or '.join(sorted(d.name for d in allowed))}), but "
+                    f"params{jax.tree_util.keystr(path)} is {jnp.asarray(leaf).dtype}: "
+                    f"initialize it with the params jamp.initialize returned.")
+        return amp_tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init, amp_tx.update)
+
+
+__all__: Sequence[str] = ("initialize", "cast_model", "cast_inputs", "batch_norm_paths",
+                          "apex_loss_scale")
