@@ -5,6 +5,7 @@ those of `doc_blocks`.
 """
 
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,22 @@ def test_blocks_follow_the_convention():
 
 def _tour(ns):
     assert int(ns["opt_state"].total_steps) == 1 and bool(ns["opt_state"].last_finite)
+
+
+def _initialize(ns):
+    weights = ns["weights"]
+    assert weights["Dense_0"]["kernel"].dtype == jnp.float16
+    assert weights["BatchNorm_0"]["scale"].dtype == jnp.float32
+    masters = ns["jamp"].master_params(ns["opt_state"])
+    assert masters["Dense_0"]["kernel"].dtype == jnp.float32
+    np.testing.assert_array_equal(weights["Dense_0"]["kernel"],
+                                  masters["Dense_0"]["kernel"].astype(jnp.float16))
+    assert ns["jamp"].state_dict(ns["opt_state"]) == {
+        "loss_scaler0": {"loss_scale": 65536.0, "unskipped": 1}}
+    text = ns["train_step"].lower(weights, ns["batch_stats"], ns["opt_state"], ns["images"],
+                                  ns["labels"]).as_text()
+    results = re.findall(r"stablehlo\.dot_general.*?->\s*tensor<(?:[0-9?]+x)*(\w+)>", text)
+    assert results and set(results) == {"f16"}  # "every matmul of that step runs in float16"
 
 
 def _policy(ns):
@@ -46,6 +63,7 @@ def _region(ns):
 CHECKS = {
     "def step(": _tour,
     "jamp.get_policy(": _policy,
+    "jamp.initialize(": _initialize,
     "jamp.properties(": _opt_levels,
     "jamp.autocast(enabled=False)": _region,
 }

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp.frontend.master_weights import plain_state
 from jamp.scaler import (
     DynamicLossScale,
     GradScalerState,
@@ -42,6 +43,7 @@ def scale_loss(loss: Any, opt_state: Any, loss_id: int = 0) -> Any:
       >>> jamp.scale_loss(jnp.float32(0.5), opt_state)
       Array(32768., dtype=float32)
     """
+    opt_state = plain_state(opt_state)
     if isinstance(opt_state, (list, tuple)) and opt_state and not _holds_one(opt_state):
         opt_state = opt_state[0]
     return get_loss_scale(opt_state, loss_id=loss_id).scale(loss)
@@ -52,7 +54,7 @@ def _holds_one(opt_state) -> bool:
 
 
 def _the_state(opt_state: Any) -> LossScaledState:
-    found = find_loss_scaled_states(opt_state)
+    found = find_loss_scaled_states(plain_state(opt_state))
     if len(found) != 1:
         raise ValueError(f"expected an optimizer state holding exactly one loss_scaled state "
                          f"(what jamp.initialize's optimizers hold), found {len(found)}.")
@@ -101,10 +103,14 @@ def load_state_dict(opt_state: Any, state_dict: dict) -> Any:
     A count of entries different from the optimizer's number of losses warns, and entries past
     that number are skipped with a warning, as in Apex.
 
+    An NNX optimizer's state (`optimizer.opt_state`, leaves wrapped in `nnx.OptState`
+    Variables) is loaded in place, into its Variables, and returned.
+
     Raises:
       RuntimeError: a key that is not a `loss_scaler` entry (Apex's message).
     """
-    current = _the_state(opt_state)
+    plain = plain_state(opt_state)
+    current = _the_state(plain)
     scales = list(_scales(current))
     if len(state_dict) != len(scales):
         warnings.warn(f"Warning: state_dict contains {len(state_dict)} entries, while "
@@ -123,8 +129,17 @@ def load_state_dict(opt_state: Any, state_dict: dict) -> Any:
     loaded = current._replace(
         loss_scale=tuple(scales) if isinstance(current.loss_scale, tuple) else scales[0])
     is_ours = lambda x: isinstance(x, LossScaledState)
-    return jax.tree_util.tree_map(lambda x: loaded if x is current else x, opt_state,
-                                  is_leaf=is_ours)
+    new = jax.tree_util.tree_map(lambda x: loaded if x is current else x, plain,
+                                 is_leaf=is_ours)
+    if plain is opt_state:
+        return new
+    # NNX Variables (flax.nnx is loaded, or there would be none): write the values into them,
+    # so the optimizer holding them sees them.
+    from flax import nnx
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    jax.tree_util.tree_map(lambda var, value: var.set_value(value) if is_var(var) else None,
+                           opt_state, new, is_leaf=is_var)
+    return opt_state
 
 
 __all__: Sequence[str] = ("scale_loss", "state_dict", "load_state_dict")

@@ -48,7 +48,7 @@ _APEX_SCALE_WINDOW = 2000
 
 def initialize(
     apply_fns: Any,
-    variables: Any,
+    variables: Any = None,
     txs: Any = None,
     enabled: bool = True,
     opt_level: str = "O1",
@@ -114,12 +114,12 @@ def initialize(
             loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
             num_losses=num_losses, verbosity=verbosity, min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale)
-    fns, fns_listed = _as_list(apply_fns)
-    all_variables, variables_listed = _as_list(variables)
+    fns, fns_listed = as_list(apply_fns)
+    all_variables, variables_listed = as_list(variables)
     if len(all_variables) != len(fns):
         raise ValueError(f"initialize got {len(fns)} apply function(s) but {len(all_variables)} "
                          f"set(s) of variables: give one variables dict per model.")
-    tx_list, txs_listed = ([], False) if txs is None else _as_list(txs)
+    tx_list, txs_listed = ([], False) if txs is None else as_list(txs)
     if not enabled:
         return (apply_fns, variables) if txs is None else (apply_fns, variables, txs)
     num_losses = check_count("num_losses", num_losses)
@@ -135,7 +135,7 @@ def initialize(
                      loss_scale=loss_scale)
     props = properties(opt_level, **overrides)
     if verbosity:
-        _print_options(opt_level, props)
+        print_options(opt_level, props)
     if keep_batchnorm_fp32 is not None:
         for i, v in enumerate(all_variables):
             if not batch_norm_paths(v):
@@ -151,8 +151,10 @@ def initialize(
     new_variables = [cast_model(v, model_dtype, keep_bn) if model_dtype is not None else v
                      for v in all_variables]
     new_fns = [_amp_apply(fn, props, outputs_dtype) for fn in fns]
-    allowed = _param_dtypes(model_dtype, keep_bn)
-    new_txs = [_amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed)
+    allowed = param_dtypes(model_dtype, keep_bn)
+    returned_params = [v["params"] for v in new_variables]
+    new_txs = [amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed,
+                              returned_params)
                for tx in tx_list]
 
     out_fns = new_fns if fns_listed else new_fns[0]
@@ -169,7 +171,7 @@ def _is_nnx(models: Any) -> bool:
     return isinstance(first, nnx.Module)
 
 
-def _as_list(value) -> tuple[list, bool]:
+def as_list(value) -> tuple[list, bool]:
     # Exactly a list or tuple: an optax GradientTransformation is a NamedTuple, not a list.
     if type(value) in (list, tuple):
         return list(value), True
@@ -192,14 +194,14 @@ def _check_variables(variables: Any, index: int | None) -> None:
         raise TypeError(f"{where} must be a Flax variables dict with a 'params' collection "
                         f"(what model.init returns), got {type(variables).__name__}.")
     for path, leaf in jax.tree_util.tree_leaves_with_path(variables):
-        if is_inexact(leaf) and jnp.asarray(leaf).dtype == jnp.float64:
+        if is_inexact(leaf) and np.dtype(leaf.dtype) == np.float64:
             raise ValueError(
                 f"{where}{jax.tree_util.keystr(path)} is float64: amp opt levels start from "
                 f"float32 params (as Apex's float32 check does). Cast the model to float32 "
                 f"first.")
 
 
-def _print_options(opt_level: str, props) -> None:
+def print_options(opt_level: str, props) -> None:
     print(f"Selected optimization level {OPT_LEVELS[opt_level].brief}")
     print()
     print("Defaults for this optimization level are:")
@@ -258,7 +260,7 @@ def cast_model(variables: Any, dtype: Any, keep_batchnorm_fp32: bool) -> Any:
     return type(variables)(out) if not isinstance(variables, dict) else out
 
 
-def _param_dtypes(model_dtype, keep_bn) -> frozenset:
+def param_dtypes(model_dtype, keep_bn) -> frozenset:
     if model_dtype is None:
         return frozenset({np.dtype(np.float32)})
     return frozenset({np.dtype(model_dtype), np.dtype(np.float32)} if keep_bn
@@ -301,8 +303,8 @@ def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
         if kwargs.get("mutable"):
             out, updates = out
             updates = _keep_dtypes(updates, variables)
-            return _cast_outputs(out, outputs_dtype), updates
-        return _cast_outputs(out, outputs_dtype)
+            return cast_outputs(out, outputs_dtype), updates
+        return cast_outputs(out, outputs_dtype)
 
     amp_apply.amp_properties = props
     return amp_apply
@@ -343,7 +345,7 @@ def _lookup(tree, path):
     return tree
 
 
-def _cast_outputs(out: Any, dtype) -> Any:
+def cast_outputs(out: Any, dtype) -> Any:
     if dtype is None:
         return out
     return jax.tree_util.tree_map(
@@ -365,7 +367,8 @@ def apex_loss_scale(setting: Any, min_loss_scale: float | None, max_loss_scale: 
     return StaticLossScale(jnp.float32(setting))
 
 
-def _amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed):
+def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed,
+                   returned_params):
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"txs must be optax GradientTransformations, got {tx!r}.")
     scales = [apex_loss_scale(props.loss_scale, min_loss_scale, max_loss_scale)
@@ -375,16 +378,32 @@ def _amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowe
         amp_tx = _master_weights(amp_tx, num_losses=num_losses)
 
     def init(params):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            if is_inexact(leaf) and np.dtype(jnp.asarray(leaf).dtype) not in allowed:
-                raise ValueError(
-                    f"this optimizer was set up for {props.opt_level} params "
-                    f"({' or '.join(sorted(d.name for d in allowed))}), but "
-                    f"params{jax.tree_util.keystr(path)} is {jnp.asarray(leaf).dtype}: "
-                    f"initialize it with the params jamp.initialize returned.")
+        _check_optimizer_params(params, props.opt_level, allowed, returned_params)
         return amp_tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init, amp_tx.update)
+
+
+def _check_optimizer_params(params, opt_level, allowed, returned_params) -> None:
+    """Refuses params that are not those `initialize` returned (the float32 originals given
+    to an O2 optimizer, say): leaf by leaf against a returned model of the same structure,
+    else against the dtypes the level allows."""
+    structure = jax.tree_util.tree_structure(params)
+    like = [r for r in returned_params if jax.tree_util.tree_structure(r) == structure]
+    expected = (jax.tree_util.tree_leaves(like[0]) if like
+                else [None] * structure.num_leaves)
+    for (path, leaf), ref in zip(jax.tree_util.tree_leaves_with_path(params), expected,
+                                 strict=True):
+        if not is_inexact(leaf):
+            continue
+        dtype = np.dtype(leaf.dtype)
+        wanted = {np.dtype(ref.dtype)} if ref is not None else allowed
+        if dtype not in wanted:
+            raise ValueError(
+                f"this optimizer was set up for the {opt_level} params jamp.initialize "
+                f"returned, but params{jax.tree_util.keystr(path)} is {dtype} (expected "
+                f"{' or '.join(sorted(d.name for d in wanted))}): initialize it with the params "
+                f"jamp.initialize returned.")
 
 
 __all__: Sequence[str] = ("initialize", "cast_model", "cast_inputs", "batch_norm_paths",

@@ -16,6 +16,7 @@ parameter moves in one step by more than 2**24 times its new magnitude.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -97,10 +98,24 @@ def master_weights(inner: optax.GradientTransformation,
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def plain_state(opt_state: Any) -> Any:
+    """`opt_state` with Flax NNX Variables replaced by their values: `nnx.Optimizer` wraps
+    each leaf of its `opt_state` in an `nnx.OptState` Variable. Returns `opt_state` itself
+    when it holds none (without importing flax.nnx, which no Variable exists without)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return opt_state
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    if not any(is_var(x) for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_var)):
+        return opt_state
+    return nnx.as_pure(opt_state)
+
+
 def find_master_states(opt_state: Any) -> list[MasterWeightsState]:
-    """Every `MasterWeightsState` inside `opt_state`."""
+    """Every `MasterWeightsState` inside `opt_state` (NNX Variables seen through)."""
     is_ours = lambda x: isinstance(x, MasterWeightsState)
-    return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ours) if is_ours(x)]
+    return [x for x in jax.tree_util.tree_leaves(plain_state(opt_state), is_leaf=is_ours)
+            if is_ours(x)]
 
 
 def master_params(opt_state: Any, params: Any = None) -> Any:
