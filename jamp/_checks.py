@@ -159,3 +159,12 @@ def scalar_bool(name: str, value: Any) -> jax.Array:
         raise NotScalarBoolError(f"expected boolean scalar {name}, got {name} of shape "
                                  f"{flag.shape} and dtype {flag.dtype}.")
     return flag.astype(bool)
+
+
+class ArgumentAssertionError(ValueError, AssertionError):
+    """An argument out of range, or arguments that do not go together, where torch raises an
+    `AssertionError` (a `strategy` that is neither mode, gradcheck's flags in conflict).
+
+    Both a `ValueError` (jamp's convention for a bad value) and an `AssertionError` (what
+    torch raises for the same mistake), so code written against either catches it.
+    """

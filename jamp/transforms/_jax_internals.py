@@ -1,4 +1,5 @@
-"""Every touch of JAX internals that autocast needs, in one place.
+"""Every touch of JAX internals that jamp needs, in one place (autocast's, and the one
+`Function` needs to tell forward mode from reverse mode).
 
 autocast evaluates a jaxpr equation by equation and re-binds higher-order primitives with
 transformed sub-jaxprs. jax.extend.core gives the jaxpr types; the rest (equation name stacks,
@@ -30,6 +31,9 @@ from jax._src import linear_util as _lu  # noqa: E402
 from jax._src import source_info_util as _source_info  # noqa: E402
 # The settings that key jax.jit's own cache: autocast's cache of traced programs uses them too.
 from jax._src import config as _config  # noqa: E402
+# The tracer types of jvp, linearize and vmap: which differentiation acts on a Function's inputs.
+from jax._src.interpreters import ad as _ad  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
 
 
 def is_tracer(x) -> bool:
@@ -347,3 +351,21 @@ def jaxprs_in_params(params: dict) -> bool:
         if any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in values):
             return True
     return False
+
+
+def innermost_autodiff(x) -> str | None:
+    """Which differentiation acts innermost on `x`: "forward" (`jax.jvp`, `jax.jacfwd`),
+    "reverse" (`jax.grad`, `jax.vjp`, which linearize) or None (none, or none visible from
+    here: a staged region such as a `jax.jit` body hides the transforms applied outside it).
+    `vmap` is looked through. `jamp.autograd.Function` uses it to pick forward mode's
+    `custom_jvp` path for a class that has both a jvp and a backward: no public API tells a
+    jvp from a linearization."""
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, _ad.JVPTracer):
+            return "forward"
+        if isinstance(x, _ad.LinearizeTracer):
+            return "reverse"
+        if not isinstance(x, _batching.BatchTracer):
+            return None
+        x = x.val
+    return None

@@ -498,21 +498,27 @@ def _custom_vjp_rule(eqn, invals, region, ctx, constants):
 
     def wrap_bwd(bwd: Callable) -> Callable:
         # The user's bwd is traced and evaluated with autocast off (or, under custom_bwd, in
-        # the forward's region); symbolic zeros pass around the trace untouched.
+        # the forward's region); symbolic zeros (the cotangents of unused outputs, under
+        # `symbolic_zeros=True`, as jamp.autograd.Function's) pass around the trace untouched.
         def new_bwd(*args):
-            if any(jx.is_symbolic_zero(a) for a in args):
-                return bwd(*args)
+            zeros = {i: a for i, a in enumerate(args) if jx.is_symbolic_zero(a)}
+            given = [a for i, a in enumerate(args) if i not in zeros]
+
+            def with_zeros(a):
+                it = iter(a)
+                return [zeros[i] if i in zeros else next(it) for i in range(len(args))]
+
             seen: dict = {}
 
             def arrays_only(*a):
-                cts, logs = jx.split_bwd_result(bwd(*a))
+                cts, logs = jx.split_bwd_result(bwd(*with_zeros(a)))
                 seen["cts"], seen["logs"] = cts, logs
                 leaves, seen["logs_tree"] = jax.tree_util.tree_flatten(
                     None if jx.has_no_logs(logs) else logs)
                 return [c for c in cts if not jx.is_symbolic_zero(c)] + leaves
 
-            closed = jx.trace_closed(arrays_only, [jax.typeof(a) for a in args])
-            values = _eval_kept(closed, args, bwd_region, ctx)
+            closed = jx.trace_closed(arrays_only, [jax.typeof(a) for a in given])
+            values = _eval_kept(closed, given, bwd_region, ctx)
             num_cts = len(values) - seen["logs_tree"].num_leaves
             arrays = iter(values[:num_cts])
             cts = [c if jx.is_symbolic_zero(c) else next(arrays) for c in seen["cts"]]

@@ -1,0 +1,103 @@
+"""Which outputs of a function depend, differentiably, on which of its inputs: torch's
+`requires_grad` propagation, read off the function's jaxpr.
+
+torch marks a tensor as requiring grad when a differentiable op computes it from one that does;
+integer and bool results, and `detach()`ed ones, never require grad. The jaxpr analogue: a value
+depends on input i when a chain of equations leads from input i to it through floating-point
+(or complex) values, never through `stop_gradient`. So `x > 0` cut the chain (a bool), as do
+`argmax` (an integer) and `lax.stop_gradient`, while `jnp.floor(x)` keeps it, as in torch. Values a
+function closes over are constants: they depend on no input.
+
+The answer is read from the program, not from values, so it is the same eagerly and under
+`jax.jit`: the function is traced once more at its inputs' shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jamp.policy.primitives import CALLS
+from jamp.transforms import _jax_internals as jx
+
+# Higher-order primitives whose body takes exactly the equation's operands.
+_CUSTOM_VJP = "custom_vjp_call"
+_SHARD_MAP = "shard_map"
+
+
+def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[bool, ...], ...]:
+    """For `fn(*args)` returning a tuple of arrays, `deps[i][j]`: output i depends on input j.
+
+    Args:
+      fn: a function of arrays returning a tuple of arrays.
+      args: its inputs: arrays, possibly being traced.
+    """
+    closed = jx.trace_closed(fn, [jax.typeof(a) for a in args])
+    jaxpr = closed.jaxpr
+    masks = _flow(jaxpr, [_bit(v, j) for j, v in enumerate(jaxpr.invars)])
+    return tuple(tuple(bool(m >> j & 1) for j in range(len(args))) for m in masks)
+
+
+def contains(fn: Callable[..., Any], args: Sequence[Any], primitive: str) -> bool:
+    """True when `fn(*args)` traces to `primitive`, in its body or any nested one."""
+    closed = jx.trace_closed(fn, [jax.typeof(a) for a in args])
+    return any(eqn.primitive.name == primitive for eqn in _equations(closed.jaxpr))
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from _equations(getattr(sub, "jaxpr", sub))
+
+
+def _differentiable(var) -> bool:
+    return np.issubdtype(var.aval.dtype, np.inexact)
+
+
+def _bit(var, j: int) -> int:
+    return 1 << j if _differentiable(var) else 0
+
+
+def _flow(jaxpr, in_masks: list[int]) -> list[int]:
+    """The input bitmask of each output of `jaxpr`, given those of its inputs."""
+    env: dict = dict(zip(jaxpr.invars, in_masks, strict=True))
+
+    def read(atom) -> int:
+        return 0 if isinstance(atom, jx.Literal) else env.get(atom, 0)  # consts: none
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        outs = _equation_flow(eqn, ins)
+        for var, mask in zip(eqn.outvars, outs, strict=True):
+            env[var] = mask if _differentiable(var) else 0
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _equation_flow(eqn, ins: list[int]) -> list[int]:
+    name = eqn.primitive.name
+    if name == "stop_gradient":
+        return [0] * len(eqn.outvars)
+    body = None
+    if name in CALLS:
+        body = jx.call_body(eqn).jaxpr
+    elif name == _CUSTOM_VJP:
+        body = jx.custom_call_body(eqn.params).jaxpr
+    elif name == _SHARD_MAP:
+        body = jx.shard_map_body(eqn.params).jaxpr
+    if body is not None and len(body.invars) == len(ins):
+        return _flow(body, ins)
+    if name == "cond":  # the index (an integer) carries nothing; each branch may be taken
+        outs = [0] * len(eqn.outvars)
+        for branch in eqn.params[jx.KEPT_BODY_PARAMS["cond"][0]]:
+            taken = _flow(branch.jaxpr, ins[1:])
+            outs = [a | b for a, b in zip(outs, taken, strict=True)]
+        return outs
+    # Loops and every other primitive: each output may depend on each operand.
+    union = 0
+    for mask in ins:
+        union |= mask
+    return [union] * len(eqn.outvars)
