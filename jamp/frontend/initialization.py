@@ -65,6 +65,9 @@ def initialize(
 ):
     """Sets up Flax models and optax optimizers for mixed precision at an Apex opt level.
 
+    With Flax NNX, pass the `nnx.Module` (or a list) and its `nnx.Optimizer` (or a list)
+    instead: they are set up in place and returned (see `initialize_nnx`, docs/apex.md).
+
     Args:
       apply_fns: a linen model's `apply` (`model.apply`), or a list of them.
       variables: the model's variables (`model.init(...)`), or a list, one per model.

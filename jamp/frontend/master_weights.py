@@ -11,7 +11,8 @@ The model holds half-precision params; the optimizer state holds a float32 copy 
 
 Step 4's updates are float32 (`new_master_in_half - param`, both half values), so
 `optax.apply_updates(params, updates)` lands on the master cast to half: exactly, unless a
-parameter moves in one step by more than 2**24 times its new magnitude.
+parameter moves in one step by more than 2**24 times its new magnitude. A float32 param (a
+batch norm's) is its own master: its master is kept equal to the updated param, bit for bit.
 """
 
 from __future__ import annotations
@@ -92,7 +93,15 @@ def master_weights(inner: optax.GradientTransformation,
             landing = jnp.asarray(master).astype(jnp.asarray(param).dtype)
             return landing.astype(jnp.float32) - jnp.asarray(param, jnp.float32)
 
+        def kept_in_step(param, master, update):
+            # A float32 param (a batch norm's, at O2) is its own master: keep the master equal
+            # to what `optax.apply_updates` will make of the param, bit for bit.
+            if is_inexact(param) and jnp.asarray(param).dtype == jnp.asarray(master).dtype:
+                return optax.apply_updates(param, update)
+            return master
+
         param_updates = jax.tree_util.tree_map(to_new_master, params, masters)
+        masters = jax.tree_util.tree_map(kept_in_step, params, masters, param_updates)
         return param_updates, MasterWeightsState(masters=masters, inner_state=inner_state)
 
     return optax.GradientTransformationExtraArgs(init, update)

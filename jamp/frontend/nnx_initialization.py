@@ -24,16 +24,18 @@ and Apex itself changes the models and optimizers it is given and returns them. 
 structure: lists where lists were given, the model(s) alone when no optimizer is given):
 
 - the model's floating `nnx.Param` (and, without `keep_batchnorm_fp32`, `nnx.BatchStat`)
-  Variables are cast in place (the same Variable objects, new values);
+  Variables are cast in place (the same Variable objects, new values). Half batch
+  statistics (O3) get an `on_set_value` hook, NNX's own mechanism for this, that stores what
+  BatchNorm writes (running averages it computes in float32) in their half type;
 - the model's class becomes a subclass of its class made by jamp (same name, `isinstance`
-  still holds, state paths unchanged), whose `__call__` casts the floating inputs, runs the
-  original `__call__` (under autocast at O1), keeps every floating Variable in the dtype it
-  had before the call (BatchNorm's running averages, computed in float32, are stored back in
-  the dtype they are kept in) and casts the outputs (`cast_model_outputs`). Python looks a
-  special method up on the class, so this is how an object's `__call__` can change; the
-  class is part of the model's graph definition, so `nnx.split`/`nnx.merge`, `nnx.jit`,
-  `nnx.value_and_grad` and `nnx.clone` carry it along. Only `__call__` is wrapped, as Apex
-  patches only `forward`;
+  still holds, state paths unchanged), whose `__call__` casts the floating inputs (NNX
+  objects passed in, such as an `nnx.Rngs`, are left as they are: they are the caller's),
+  runs the original `__call__` (under autocast at O1), keeps every floating Variable in the
+  dtype it had before the call, as the linen form keeps mutated collections, and casts the
+  outputs (`cast_model_outputs`). Python looks a special method up on the class, so this is
+  how an object's `__call__` can change; the class is part of the model's graph definition,
+  so `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.value_and_grad`, `nnx.clone`, `copy.deepcopy`
+  and pickle carry it along. Only `__call__` is wrapped, as Apex patches only `forward`;
 - where a float32 batch norm's output must go back to half (O2), each batch norm's class is
   swapped the same way for one whose `__call__` casts its floating outputs;
 - the optimizer's `tx` becomes jamp's and its `opt_state` is made again from the cast model
@@ -41,6 +43,11 @@ structure: lists where lists were given, the model(s) alone when no optimizer is
   `optimizer.update(model, grads)` (with `num_losses` K > 1: a sequence of K grad states,
   None for a loss that reaches none of the model's params) unscales, skips non-finite steps
   and steps the masters.
+
+Returning new objects instead would leave every other reference to the model on the float32
+original, and a wrapper module would change the model's type and the paths of its state (so
+its checkpoints). Everything is checked before anything is changed: an error leaves the
+objects as they were.
 
 A user's `nnx.jit` / `nnx.value_and_grad` training step therefore works unchanged except for
 scaling the loss: `jamp.scale_loss(loss, optimizer.opt_state)`. `jamp.master_params`,
@@ -392,21 +399,31 @@ def _swap_class(node, cls) -> None:
 _CLASSES: dict[tuple, type] = {}
 
 
-def _subclass(base: type, key: Any, namespace: Callable[[], dict]) -> type:
-    """jamp's subclass of `base` with the methods `namespace()` gives (cached per base and
-    key, so a class is made once and graph definitions of models set up alike compare
-    equal). Same name and module as `base`; `pytree` as `base` was made."""
+def _subclass(base: type, key: tuple, namespace: Callable[[], dict]) -> type:
+    """jamp's subclass of `base` with the methods `namespace()` gives, made by
+    `key[0](base, *key[1:])` (cached, so a class is made once and graph definitions of models
+    set up alike compare equal). Same name and module as `base`; `pytree` as `base` was
+    made; pickled as the function call that makes it again."""
     cached = _CLASSES.get((base, key))
     if cached is not None:
         return cached
 
+    def __reduce__(self):
+        return _new_instance, (key[0], (base, *key[1:])), self.__getstate__()
+
     def body(ns):
         ns.update(namespace(), __module__=base.__module__, __qualname__=base.__qualname__,
-                  __doc__=base.__doc__, _jamp_amp=True, _jamp_base=base)
+                  __doc__=base.__doc__, __reduce__=__reduce__, _jamp_amp=True,
+                  _jamp_base=base)
 
     cls = types.new_class(base.__name__, (base,), {"pytree": base._pytree__is_pytree}, body)
     _CLASSES[(base, key)] = cls
     return cls
+
+
+def _new_instance(make: Callable, args: tuple):
+    """An empty instance of the class `make(*args)` makes (pickle then sets its state)."""
+    return object.__new__(make(*args))
 
 
 def _half_output_class(base: type, dtype: np.dtype) -> type:
@@ -416,7 +433,7 @@ def _half_output_class(base: type, dtype: np.dtype) -> type:
     def __call__(self, *args, **kwargs):
         return cast_outputs(base.__call__(self, *args, **kwargs), dtype)
 
-    return _subclass(base, ("half output", dtype),
+    return _subclass(base, (_half_output_class, dtype),
                      lambda: {"__call__": __call__, "_jamp_output_dtype": dtype})
 
 
@@ -429,15 +446,28 @@ def _amp_class(base: type, settings: _Settings) -> type:
 
         def __call__(self, *args, **kwargs):
             if settings.model_dtype is not None:
-                args, kwargs = cast_inputs((args, kwargs), settings.model_dtype)
+                args, kwargs = _outside_nnx(cast_inputs, (args, kwargs), settings.model_dtype)
             dtypes = _floating_dtypes(self)
             out = run(self, *args, **kwargs)
             _restore_dtypes(dtypes)
-            return cast_outputs(out, settings.outputs_dtype)
+            if settings.outputs_dtype is None:
+                return out
+            return _outside_nnx(cast_outputs, out, settings.outputs_dtype)
 
         return {"__call__": __call__, "_jamp_settings": settings}
 
-    return _subclass(base, settings, namespace)
+    return _subclass(base, (_amp_class, settings), namespace)
+
+
+def _outside_nnx(cast: Callable, tree: Any, dtype: np.dtype) -> Any:
+    """The linen form's `cast(tree, dtype)` (`cast_inputs`, `cast_outputs`) applied around the
+    NNX objects in `tree`: an `nnx.Rngs`, module or Variable passed to (or returned by) the
+    model is the caller's object, to be updated in place, not a cast copy."""
+    is_nnx = lambda x: isinstance(x, (nnx.Variable, nnx.Pytree))
+    has_to = lambda x: (callable(getattr(x, "to", None))
+                        and not isinstance(x, (jax.Array, np.ndarray)))
+    return jax.tree_util.tree_map(lambda x: x if is_nnx(x) else cast(x, dtype), tree,
+                                  is_leaf=lambda x: is_nnx(x) or has_to(x))
 
 
 def _floating_dtypes(model) -> list[tuple[nnx.Variable, np.dtype]]:
@@ -496,7 +526,7 @@ def _multi_loss_class(base: type, num_losses: int) -> type:
         self.step[...] += 1
         return updates
 
-    return _subclass(base, ("losses", num_losses),
+    return _subclass(base, (_multi_loss_class, num_losses),
                      lambda: {"update": update, "_jamp_num_losses": num_losses})
 
 

@@ -45,12 +45,20 @@ def _gan(ns):
     assert jamp.state_dict(ns["g_state"])["loss_scaler2"]["unskipped"] == 1
 
 
+def _nnx(ns):
+    assert ns["model"].conv.kernel.dtype == jnp.float16
+    assert ns["model"].bn.scale.dtype == jnp.float32
+    assert ns["losses"][-1] < ns["losses"][0]
+    assert ns["masters"]["conv"]["kernel"].dtype == jnp.float32
+
+
 CHECKS = {
     "apply_fn, amp_variables, tx = jamp.initialize(": _levels,
     "def train_step(": _step,
     "clipped_tx = ": _clipping,
     "saved = jamp.state_dict": _state_dict,
     "g_tx.update([None, None, g_grads]": _gan,
+    "jamp.load_state_dict(optimizer.opt_state, checkpoint)": _nnx,
 }
 
 
