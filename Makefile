@@ -28,7 +28,7 @@ test: $(VENV)/.installed-test
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
 	$(PIP) install -e '.[bench]'
-	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py
+	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,7 +5,7 @@ under torch's names and module layout (`jamp.autograd.functional`, `jamp.autogra
 docs/autograd.md maps every name to torch's, with its status.
 """
 
-from jamp.autograd import function, functional, gradcheck as _gradcheck_module
+from jamp.autograd import function, functional, graph, gradcheck as _gradcheck_module
 from jamp.autograd.function import Function, FunctionCtx, once_differentiable
 from jamp.autograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
 
@@ -13,5 +13,5 @@ del _gradcheck_module
 
 __all__ = [
     "Function", "FunctionCtx", "GradcheckError", "function", "functional", "gradcheck",
-    "gradgradcheck", "once_differentiable",
+    "gradgradcheck", "graph", "once_differentiable",
 ]
