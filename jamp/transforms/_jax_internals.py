@@ -369,3 +369,120 @@ def innermost_autodiff(x) -> str | None:
             return None
         x = x.val
     return None
+
+
+# -- anomaly detection, grad mode and forward-mode AD -----------------------------------------
+
+def jit_keyed_enum_state(name: str, values: Sequence[str], default: str, help: str):
+    """A JAX config option (thread-local, with a context-manager form) that `jax.jit` keys its
+    cache on, so a jitted function is traced again when it changes. Anomaly mode is one: it is
+    read while a function is traced. `jax.config` has no public way to define an option."""
+    try:
+        return _config.enum_state(name, list(values), default, help=help,
+                                  include_in_jit_key=True, include_in_trace_context=True)
+    except TypeError:  # a jax whose options have no separate trace-context flag
+        return _config.enum_state(name, list(values), default, help=help,
+                                  include_in_jit_key=True)
+
+
+def user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
+    """The user's frames (`(file, line, function)`, outermost first) of the Python stack that
+    created `eqn`: its source info, which JAX keeps on every equation and copies from a forward
+    equation onto the equations that differentiate it. JAX's own frames and the standard
+    library's are left out (JAX's filter). Not public: `source_info` is an internal field."""
+    frames = _source_info.user_frames(eqn.source_info.traceback)
+    return [(f.file_name, f.start_line, f.function_name) for f in frames][::-1]
+
+
+def source_key(eqn: JaxprEqn) -> int:
+    """An identity for the Python stack that created `eqn`, shared with the equations that
+    differentiate it (transposition re-enters the forward equation's traceback object)."""
+    return id(eqn.source_info.traceback)
+
+
+def custom_call_name(params: dict) -> str | None:
+    """The name of the function a custom_jvp_call / custom_vjp_call wraps (`relu`), from its
+    primal body's debug info."""
+    body = params.get("call_jaxpr")
+    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
+    return getattr(info, "func_name", None)
+
+
+def autodiff_kinds(x) -> frozenset[str]:
+    """The kinds of differentiation acting on `x` at the levels visible from here, looking
+    through vmap: "forward" (`jax.jvp`, `jax.jacfwd`) and "reverse" (`jax.grad`, `jax.vjp`,
+    which linearize). `jax.hessian` (a jacfwd of a jacrev) shows both. A `jax.custom_vjp` cannot
+    be differentiated in forward mode at all, so what builds one needs to know."""
+    kinds = set()
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, _ad.JVPTracer):
+            kinds.add("forward")
+            x = x.primal
+        elif isinstance(x, _ad.LinearizeTracer):
+            kinds.add("reverse")
+            x = x.primal
+        elif isinstance(x, _batching.BatchTracer):
+            x = x.val
+        else:
+            break
+    return frozenset(kinds)
+
+
+def tracing() -> bool:
+    """True while some JAX transformation (jit, grad, vmap, a dual level...) is tracing: a
+    `with` block there cannot change how the traced values are differentiated."""
+    from jax._src import core as _core
+    return not _core.trace_state_clean()
+
+
+class JVPLevel:
+    """A forward-mode differentiation level that stays open between `open()` and `close()`:
+    torch's dual level. While it is open every primitive is bound through a `JVPTrace` (the
+    trace `jax.jvp` runs a function under), so values made dual with `dual()` carry their
+    tangents through ordinary code. `jax.jvp` offers only the function form; a level opened and
+    closed by a `with` statement needs the trace itself."""
+
+    def __init__(self):
+        from jax._src import core as _core
+        with _core.take_current_trace() as parent:
+            self.trace = _ad.JVPTrace(parent, _core.TraceTag())
+        self._context = _core.set_current_trace(self.trace)
+        self._open = False
+
+    def open(self) -> None:
+        self._context.__enter__()
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._context.__exit__(None, None, None)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def dual(self, primal, tangent):
+        """`primal` carrying `tangent` at this level."""
+        return _ad.JVPTracer(self.trace, primal, tangent)
+
+    def owns(self, x) -> bool:
+        """True for a value that carries a tangent at this level."""
+        return isinstance(x, _ad.JVPTracer) and x._trace.tag is self.trace.tag
+
+    def split(self, x) -> tuple[Any, Any]:
+        """`(primal, tangent)` of `x` at this level; the tangent is None where `x` carries none
+        (a symbolic zero)."""
+        if not self.owns(x):
+            return x, None
+        tangent = x.tangent
+        return x.primal, None if isinstance(tangent, _ad.Zero) else tangent
+
+
+def scan_parts(params: dict) -> tuple[ClosedJaxpr, int, int, dict]:
+    """A scan equation's body, its numbers of consts and carries, and the `lax.scan` keywords
+    (`length`, `reverse`, `unroll`) that rebuild it with another body."""
+    options = dict(length=params["length"], reverse=params["reverse"], unroll=params["unroll"])
+    if "_split_transpose" in params:
+        options["_split_transpose"] = params["_split_transpose"]
+    return (_as_closed(params["jaxpr"]), params["num_consts"], params["num_carry"], options)

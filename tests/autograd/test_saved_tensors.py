@@ -4,14 +4,12 @@ Each hook pair wraps a function; the residuals of its backward pass through the 
 eagerly and under jit (the `variant` fixture) and compare gradients with plain `jax.grad`.
 """
 
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import doc_blocks
 import jamp
 from jamp.autograd.graph import (
     disable_saved_tensors_hooks,
@@ -371,18 +369,3 @@ def test_seed_example_with_debug_print_under_jit(capsys):
         jax.block_until_ready(step(a, b))
         jax.effects_barrier()
         assert capsys.readouterr().out == EXPECTED
-
-
-# -- the docs section ---------------------------------------------------------------------------
-
-DOC = pathlib.Path(__file__).parents[2] / "docs" / "autograd_graph_section.md"
-
-
-def test_docs_section_runs_as_written():
-    assert doc_blocks.convention_errors(DOC) == []
-    ns = doc_blocks.run_document(DOC)
-    assert ns["stored_bytes"] * 2 == ns["plain_bytes"]
-    by_hand = jax.grad(ns["by_hand"])(ns["params"], ns["x"])
-    compact = jax.grad(ns["compact"])(ns["params"], ns["x"])
-    for g, want in zip(by_hand, compact):  # the two-function recipe is save_as's
-        np.testing.assert_array_equal(g, want)

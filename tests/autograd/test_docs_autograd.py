@@ -1,0 +1,49 @@
+"""docs/autograd.md runs top to bottom, does what it says, and maps every torch.autograd name
+of the seed document to jamp's."""
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+
+import doc_blocks
+
+ROOT = pathlib.Path(__file__).parents[2]
+DOC = ROOT / "docs" / "autograd.md"
+SEED = next((ROOT.parent / "shared" / "seeds").glob("001_*.txt"), None)
+# The torch.autograd names seed 001 documents (also checked against the seed when present).
+SEED_NAMES = {
+    "torch.autograd.Function", "torch.autograd.detect_anomaly",
+    "torch.autograd.set_detect_anomaly", "torch.autograd.graph.saved_tensors_hooks",
+    "torch.autograd.graph.save_on_cpu", "torch.autograd.graph.disable_saved_tensors_hooks",
+    "torch.autograd.gradcheck", "torch.autograd.backward", "torch.autograd.grad",
+    "torch.autograd.profiler.profile", "torch.autograd.profiler.emit_nvtx",
+    "torch.autograd.profiler.emit_itt", "torch.autograd.profiler.load_nvprof",
+}
+
+
+def _saved_tensors(ns):
+    assert ns["stored_bytes"] * 2 == ns["plain_bytes"]
+    by_hand = jax.grad(ns["by_hand"])(ns["params"], ns["x"])
+    compact = jax.grad(ns["compact"])(ns["params"], ns["x"])
+    for g, want in zip(by_hand, compact, strict=True):  # the two-function recipe is save_as's
+        np.testing.assert_array_equal(g, want)
+
+
+def test_blocks_follow_the_convention():
+    assert doc_blocks.convention_errors(DOC) == []
+
+
+def test_blocks_run_and_do_what_the_text_says():
+    doc_blocks.run_document(DOC, checks={"by_hand = saved_tensors_hooks(": _saved_tensors})
+
+
+def test_every_seed_name_is_mapped():
+    if SEED is not None:
+        assert SEED_NAMES <= set(re.findall(r"torch\.autograd\.[A-Za-z_.]*[A-Za-z_]",
+                                            SEED.read_text()))
+    table = DOC.read_text().split("## Every name", 1)[1].split("\n## ", 1)[0]
+    for name in SEED_NAMES:
+        short = name.removeprefix("torch.autograd.").split(".")[-1]
+        assert f"`{short}`" in table or f"`{name}`" in table or short in table, name
