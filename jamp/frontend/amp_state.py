@@ -33,8 +33,15 @@ def scale_loss(loss: Any, opt_state: Any, loss_id: int = 0) -> Any:
     """Apex's `amp.scale_loss`: `loss` times the current scale of loss `loss_id`.
 
     Differentiate the result and pass the grads to the optimizer's `update`, which unscales
-    them (Apex does that when its context manager exits). With a list of optimizer states (a
-    loss whose grads reach several optimizers), the first one's scale is used.
+    them (Apex does that when its context manager exits).
+
+    Raises:
+      ValueError: `opt_state` is a list of several optimizers' states. Apex shares one scaler
+        per loss among optimizers; in jamp each optimizer keeps its own, and they drift apart
+        after an overflow only one of them saw, so grads scaled with one and unscaled with the
+        other would be silently wrong. Scale the loss once per optimizer (the grads of
+        `scale_loss(loss, opt_state_k)` for optimizer k's params), or combine the optimizers
+        into one with `optax.multi_transform`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -44,13 +51,15 @@ def scale_loss(loss: Any, opt_state: Any, loss_id: int = 0) -> Any:
       Array(32768., dtype=float32)
     """
     opt_state = plain_state(opt_state)
-    if isinstance(opt_state, (list, tuple)) and opt_state and not _holds_one(opt_state):
+    if type(opt_state) in (list, tuple) and len(find_loss_scaled_states(opt_state)) > 1:
+        raise ValueError(
+            f"scale_loss got {len(opt_state)} optimizer states: each jamp optimizer keeps its "
+            f"own loss scale, so a loss whose grads reach several optimizers is scaled once per "
+            f"optimizer (differentiate scale_loss(loss, opt_state_k) for optimizer k's params), "
+            f"or the optimizers are combined into one with optax.multi_transform.")
+    if type(opt_state) in (list, tuple) and len(opt_state) == 1:
         opt_state = opt_state[0]
     return get_loss_scale(opt_state, loss_id=loss_id).scale(loss)
-
-
-def _holds_one(opt_state) -> bool:
-    return len(find_loss_scaled_states(opt_state)) == 1
 
 
 def _the_state(opt_state: Any) -> LossScaledState:

@@ -376,6 +376,8 @@ def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed
         raise TypeError(f"txs must be optax GradientTransformations, got {tx!r}.")
     scales = [apex_loss_scale(props.loss_scale, min_loss_scale, max_loss_scale)
               for _ in range(num_losses)]
+    if not props.master_weights:
+        tx = _state_in_float32(tx)
     amp_tx = loss_scaled(tx, scales[0] if num_losses == 1 else scales, num_losses=num_losses)
     if props.master_weights:
         amp_tx = _master_weights(amp_tx, num_losses=num_losses)
@@ -385,6 +387,30 @@ def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed
         return amp_tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init, amp_tx.update)
+
+
+def _state_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` run on float32 copies of the params, so its state is float32 from `init` on.
+
+    Without master weights the grads reach the optimizer unscaled in float32 (the scale is
+    float32), and an optimizer initialized from half params would turn its half moments into
+    float32 ones at the first update: a state whose types change (a jitted step compiles
+    twice, `lax.scan` over steps fails). Apex's half optimizer state would instead keep Adam's
+    second moment in float16, where it underflows. The updates are cast to the params' dtypes
+    by `optax.apply_updates` as usual. For float32 params this changes nothing.
+    """
+    tx = optax.with_extra_args_support(tx)
+    as_float32 = lambda tree: jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x, jnp.float32) if is_inexact(x) else x, tree)
+
+    def init(params):
+        return tx.init(as_float32(params))
+
+    def update(updates, state, params=None, **extra_args):
+        return tx.update(updates, state, None if params is None else as_float32(params),
+                         **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _check_optimizer_params(params, opt_level, allowed, returned_params) -> None:

@@ -38,6 +38,26 @@ class MasterWeightsState(NamedTuple):
     masters: Any
     inner_state: optax.OptState
 
+    # The wrapped `loss_scaled` state's counters, so that an O2 state reads like the others.
+    @property
+    def total_steps(self):
+        return self._loss_scaled().total_steps
+
+    @property
+    def skipped_steps(self):
+        return self._loss_scaled().skipped_steps
+
+    @property
+    def last_finite(self):
+        return self._loss_scaled().last_finite
+
+    def _loss_scaled(self):
+        from jamp.scaler import find_loss_scaled_states
+        found = find_loss_scaled_states(self.inner_state)
+        if len(found) != 1:
+            raise AttributeError("these master weights wrap no single loss_scaled state")
+        return found[0]
+
 
 def _to_float32(tree: Any) -> Any:
     return jax.tree_util.tree_map(

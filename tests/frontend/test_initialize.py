@@ -291,3 +291,46 @@ def test_an_optimizer_initialized_with_other_params_is_refused():
     with pytest.raises(ValueError, match=r"params\['BatchNorm_9'\]\['bias'\] is float32 "
                                          r"\(expected float16\).*initialize it with the params"):
         tx.init(VARIABLES["params"])  # the float32 originals, not the returned half params
+
+
+@pytest.mark.parametrize("level", ["O3", "O1"])
+def test_optimizer_state_keeps_its_types_so_steps_scan(level):
+    model = nn.Dense(4)
+    variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+    apply_fn, variables, tx = jamp.initialize(model.apply, variables, optax.adam(1e-3),
+                                              opt_level=level, verbosity=0)
+    params = variables["params"]
+    opt_state = tx.init(params)
+
+    def step(carry, _):
+        params, opt_state = carry
+        grads = jax.grad(lambda p: jamp.scale_loss(
+            apply_fn({"params": p}, jnp.ones((2, 3))).astype(jnp.float32).sum(), opt_state))(
+            params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), None
+
+    (new_params, new_state), _ = jax.lax.scan(step, (params, opt_state), length=3)
+    same = lambda a, b: jax.tree_util.tree_map(lambda x, y: x.dtype == y.dtype, a, b)
+    assert all(jax.tree_util.tree_leaves(same(new_state, opt_state)))
+    assert all(jax.tree_util.tree_leaves(same(new_params, params)))
+
+
+def test_o2_state_reads_its_counters_like_the_other_levels():
+    _, variables, tx = _setup("O2")
+    params = variables["params"]
+    opt_state = tx.init(params)
+    bad = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, jnp.inf, p.dtype), params)
+    _, opt_state = jax.jit(tx.update)(bad, opt_state, params)
+    assert int(opt_state.skipped_steps) == 1 and int(opt_state.total_steps) == 1
+    assert not bool(opt_state.last_finite)
+
+
+def test_a_loss_scaled_for_several_optimizers_is_refused():
+    _, [va, vb], [ta, tb] = jamp.initialize([MODEL.apply, MODEL.apply], [VARIABLES, VARIABLES],
+                                            [optax.sgd(1.0), optax.sgd(1.0)], opt_level="O2",
+                                            verbosity=0)
+    states = [ta.init(va["params"]), tb.init(vb["params"])]
+    with pytest.raises(ValueError, match="scaled once per optimizer.*multi_transform"):
+        jamp.scale_loss(jnp.float32(1.0), states)
+    assert float(jamp.scale_loss(jnp.float32(1.0), states[:1])) == 2.0**16
