@@ -1,7 +1,6 @@
 """`make demo` end to end, on a few steps of a small batch: it runs, prints the table of all five
 runs and what they show, and writes its plot."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -26,15 +25,12 @@ def test_corpus_is_real_text_and_batches_are_windows():
 
 def test_demo_trains_every_level_and_reports(tmp_path):
     plot = tmp_path / "demo.png"
-    # Three steps of each run is all the test needs, so its time is XLA's compiles: these flags
-    # make them about three times cheaper on a CPU (the programs run slower, which three steps
-    # do not notice).
-    flags = " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + flags).strip())
+    # Three steps of each run is all the test needs, so its time is XLA's compiles: the
+    # subprocess inherits the suite's cheap-compile XLA_FLAGS (tests/conftest.py).
     result = subprocess.run(
         [sys.executable, "demo.py", "--steps", "3", "--batch", "4", "--seq", "16",
          "--valid-batches", "1", "--out", str(plot)],
-        cwd=EXAMPLES, capture_output=True, text=True, timeout=600, env=env)
+        cwd=EXAMPLES, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     out = result.stdout
 
