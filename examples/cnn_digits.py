@@ -109,20 +109,12 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation) -> Cal
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         # A skipped step (grads not finite) leaves the running statistics as they were, too.
-        finite = scaler_state(opt_state).last_finite
+        finite = opt_state.last_finite  # the same field at every level
         new_stats = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
                                            new_stats, batch_stats)
         return (params, new_stats, opt_state), loss
 
     return step
-
-
-def scaler_state(opt_state: Any):
-    """The `LossScaledState` inside what `jamp.initialize`'s optimizer keeps (at O2 it sits
-    inside the master weights' state): its `skipped_steps` and `last_finite` are the same
-    at every level."""
-    (found,) = jamp.scaler.find_loss_scaled_states(opt_state)
-    return found
 
 
 def accuracy(apply_fn: Callable, state, x: np.ndarray, y: np.ndarray) -> float:
@@ -220,7 +212,7 @@ def train(level: str, data: dict[str, np.ndarray], *, steps: int = 300, batch_si
     seconds = time.perf_counter() - start
     return dict(level=level, lr=lr, apply_fn=apply_fn, tx=tx, step=step, initial=initial,
                 state=state, losses=losses, dtypes=dtypes, seconds=seconds,
-                skipped=int(scaler_state(state[2]).skipped_steps),
+                skipped=int(state[2].skipped_steps),
                 accuracy=accuracy(apply_fn, state, data["x_test"], data["y_test"]),
                 largest=max(float(np.max(np.abs(np.asarray(p, np.float32))))
                             for p in jax.tree_util.tree_leaves(state[0])))

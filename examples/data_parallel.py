@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jamp  # noqa: E402
-from cnn_digits import batch_order, load_data, make_grads, scaler_state, train  # noqa: E402
+from cnn_digits import batch_order, load_data, make_grads, train  # noqa: E402
 
 # np.allclose(data_parallel, single_device, rtol, atol) for each step; "grads" compares each
 # leaf divided by its largest single-device element (the module docstring says why).
@@ -145,7 +145,7 @@ def stepwise(single: dict, parallel: dict, jit: Callable, place: Callable, feed:
         ours = many_grads(place(state), *feed(x, y))
         new8, _ = many_step(place(state), *feed(x, y))
         state, _ = one_step(state, x, y)
-        s1, s8 = scaler_state(state[2]), scaler_state(new8[2])
+        s1, s8 = state[2], new8[2]
         pairs = {"loss": (loss, ours[1]), "grads / leaf's largest": (grads, ours[0]),
                  "BatchNorm statistics": (stats, ours[2]),
                  "loss scale, skipped steps": ((s1.loss_scale, s1.skipped_steps),

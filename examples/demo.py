@@ -139,7 +139,7 @@ def train(run: Run, args, data) -> Result:
         params, opt_state, loss = step(params, opt_state, windows)
         losses.append(float(loss))  # waits for the step
         times.append(time.perf_counter() - start)
-        applied = bool(jamp.scaler.find_loss_scaled_states(opt_state)[0].last_finite)
+        applied = bool(opt_state.last_finite)
         streak = 0 if applied else streak + 1
         if not applied:
             skipped.append(i)

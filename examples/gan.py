@@ -196,7 +196,7 @@ def run(steps: int = 3000, batch_size: int = 256, lr: float = 1e-3, log_every: i
                             scales=loss_scales(state_g, state_d),
                             quality=sample_quality(generate(params_g, probe_noise), probe_real)))
     seconds = time.perf_counter() - start
-    skipped = {name: int(jamp.scaler.find_loss_scaled_states(s)[0].skipped_steps)
+    skipped = {name: int(s.skipped_steps)
                for name, s in (("generator", state_g), ("discriminator", state_d))}
     return dict(log=log, initial=initial, dtypes=dtypes, skipped=skipped, seconds=seconds,
                 events=scale_events(start_scales, np.asarray(jax.device_get(history))),

@@ -38,7 +38,11 @@ class MasterWeightsState(NamedTuple):
     masters: Any
     inner_state: optax.OptState
 
-    # The wrapped `loss_scaled` state's counters, so that an O2 state reads like the others.
+    # The wrapped `loss_scaled` state's fields, so that an O2 state reads like the others.
+    @property
+    def loss_scale(self):
+        return self._loss_scaled().loss_scale
+
     @property
     def total_steps(self):
         return self._loss_scaled().total_steps

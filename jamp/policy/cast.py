@@ -23,6 +23,14 @@ from jamp.policy.dtypes import canonical_floating_dtype, half_dtype
 T = TypeVar("T")
 
 
+def is_numeric_array(x) -> bool:
+    """True for a JAX array or tracer, or a numpy array or scalar of a numeric dtype (not an
+    object, string or datetime array): what JAX can trace as an input."""
+    if isinstance(x, jax.Array):
+        return True
+    return isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind not in "OSUMm"
+
+
 def is_floating_array(x) -> bool:
     """True for a JAX or numpy array of a real floating dtype."""
     return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)

@@ -51,16 +51,10 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jamp._checks import check_bool
+from jamp.policy.cast import is_numeric_array
 from jamp.transforms import _jax_internals as jx
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]
-
-
-def _is_array(x) -> bool:
-    """A JAX or NumPy array (or NumPy scalar) of a numeric dtype: an input of a Function."""
-    if isinstance(x, jax.Array):
-        return True
-    return isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind not in "OSUMm"
 
 
 def _differentiable(aval) -> bool:
@@ -153,7 +147,7 @@ class FunctionCtx:
 
     def _check_saved(self, method: str, tensors: tuple) -> tuple:
         for i, t in enumerate(tensors):
-            if t is not None and not _is_array(t):
+            if t is not None and not is_numeric_array(t):
                 raise TypeError(
                     f"ctx.{method} of {self._function} saves arrays (or None), but argument {i} "
                     f"is a {type(t).__name__}: store other values as ctx attributes "
@@ -178,7 +172,7 @@ class FunctionCtx:
         carry no gradient, backward receives zeros (or None without materialized grads) for
         them, and their tangent in forward mode is zero."""
         for i, o in enumerate(outputs):
-            if not _is_array(o):
+            if not is_numeric_array(o):
                 raise TypeError(
                     f"ctx.mark_non_differentiable of {self._function} takes outputs of forward "
                     f"(arrays), but argument {i} is a {type(o).__name__}.")
@@ -204,7 +198,7 @@ class FunctionCtx:
     def _flatten(self) -> tuple[list, _Static]:
         state = (self._saved, self._saved_forward, dict(self.__dict__))
         leaves, tree = jax.tree_util.tree_flatten(state)
-        is_array = tuple(_is_array(x) for x in leaves)
+        is_array = tuple(is_numeric_array(x) for x in leaves)
         arrays = [x for x, a in zip(leaves, is_array) if a]
         statics = tuple(None if a else x for x, a in zip(leaves, is_array))
         meta = (self._function, self.needs_input_grad, self._materialize)
@@ -232,14 +226,14 @@ class _Call:
         self.name = cls.__name__
         self.args = args
         self.names = _input_names(cls, len(args))
-        self.is_input = tuple(_is_array(a) for a in args)
+        self.is_input = tuple(is_numeric_array(a) for a in args)
         self.trees, self.leaves, self.owner = [], [], []
         for i, a in enumerate(args):
             leaves, tree = jax.tree_util.tree_flatten(a)
             self.trees.append(tree)
             self.leaves.append(leaves)
-            self.owner += [i] * sum(_is_array(x) for x in leaves)
-        self.dynamic = [x for leaves in self.leaves for x in leaves if _is_array(x)]
+            self.owner += [i] * sum(is_numeric_array(x) for x in leaves)
+        self.dynamic = [x for leaves in self.leaves for x in leaves if is_numeric_array(x)]
         self.avals = [jax.typeof(a) if inp else None
                       for a, inp in zip(args, self.is_input)]
 
@@ -249,7 +243,7 @@ class _Call:
     def rebuild(self, dynamic) -> tuple:
         it = iter(dynamic)
         return tuple(
-            jax.tree_util.tree_unflatten(tree, [next(it) if _is_array(x) else x for x in leaves])
+            jax.tree_util.tree_unflatten(tree, [next(it) if is_numeric_array(x) else x for x in leaves])
             for tree, leaves in zip(self.trees, self.leaves))
 
     def needs_input_grad(self, perturbed) -> tuple[bool, ...]:
@@ -371,9 +365,9 @@ class _Outputs:
     def __init__(self, name: str, output):
         self.is_tuple = isinstance(output, tuple)
         self.items = output if self.is_tuple else (output,)
-        self.is_array = tuple(_is_array(o) for o in self.items)
+        self.is_array = tuple(is_numeric_array(o) for o in self.items)
         for k, (o, a) in enumerate(zip(self.items, self.is_array)):
-            if not a and any(_is_array(x) for x in jax.tree_util.tree_leaves(o)):
+            if not a and any(is_numeric_array(x) for x in jax.tree_util.tree_leaves(o)):
                 raise TypeError(
                     f"forward of {name} returned output {k} as a {type(o).__name__} holding "
                     "arrays: return an array, or a tuple whose items are arrays (or non-array "
@@ -474,7 +468,7 @@ def _jvp_call(call: _Call) -> tuple[Callable, dict]:
         flat = iter(zip(tangents, flat_zero))
         tangents_in = []
         for i, leaves in enumerate(call.leaves):
-            mine = [next(flat) for x in leaves if _is_array(x)]
+            mine = [next(flat) for x in leaves if is_numeric_array(x)]
             if not call.is_input[i]:
                 tangents_in.append(None)
                 continue

@@ -38,6 +38,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jamp._checks import check_bool
+from jamp.policy.cast import is_numeric_array
 
 __all__ = ["disable_saved_tensors_hooks", "save_as", "save_on_cpu", "saved_tensors_hooks"]
 
@@ -54,13 +55,6 @@ def _check_enabled() -> None:
     message = _DISABLED.get()
     if message is not None:
         raise RuntimeError(message)
-
-
-def _is_array(x) -> bool:
-    """A JAX array or tracer, or a NumPy array of a numeric dtype: a traced input or residual."""
-    if isinstance(x, jax.Array):
-        return True
-    return isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind not in "OSUMm"
 
 
 class saved_tensors_hooks:  # noqa: N801 (torch's name)
@@ -316,14 +310,14 @@ def _pack(pullback, hooks: saved_tensors_hooks, stored_inside: dict,
     leaves, structure = jax.tree_util.tree_flatten(pullback)
     arrays, layout, produced = [], [], []
     for leaf in leaves:
-        if not _is_array(leaf):
+        if not is_numeric_array(leaf):
             layout.append((_STATIC, leaf))
         elif stored_inside.get(id(leaf)) is leaf:
             arrays.append(leaf)
             layout.append((_KEPT, None))
         else:
             packed_leaves, packed_tree = jax.tree_util.tree_flatten(hooks.pack_hook(leaf))
-            dynamic = tuple(_is_array(x) for x in packed_leaves)
+            dynamic = tuple(is_numeric_array(x) for x in packed_leaves)
             for x in (x for x, d in zip(packed_leaves, dynamic) if d):
                 if x is not leaf and _in_device_memory(x):
                     produced.append(len(arrays))
@@ -386,7 +380,7 @@ def _with_hooks(fn: Callable, hooks: saved_tensors_hooks) -> Callable:
         _check_enabled()
         # Array arguments are the custom_vjp's inputs; everything else is closed over.
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [_is_array(x) for x in leaves]
+        dynamic = [is_numeric_array(x) for x in leaves]
         inputs = [x for x, d in zip(leaves, dynamic) if d]
 
         def call(*arrays):

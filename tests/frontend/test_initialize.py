@@ -324,6 +324,7 @@ def test_o2_state_reads_its_counters_like_the_other_levels():
     _, opt_state = jax.jit(tx.update)(bad, opt_state, params)
     assert int(opt_state.skipped_steps) == 1 and int(opt_state.total_steps) == 1
     assert not bool(opt_state.last_finite)
+    assert float(opt_state.loss_scale.loss_scale) == 2.0**15
 
 
 def test_a_loss_scaled_for_several_optimizers_is_refused():
