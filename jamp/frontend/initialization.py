@@ -33,6 +33,7 @@ import optax
 
 from jamp._checks import check_bool, check_count
 from jamp.frontend.master_weights import master_weights as _master_weights
+from jamp.frontend.master_weights import to_float32
 from jamp.policy import properties
 from jamp.policy.dtypes import canonical_floating_dtype
 from jamp.policy.opt_levels import OPT_LEVELS
@@ -320,8 +321,7 @@ def _batch_norm_output_to(dtype):
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
         if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
-            return jax.tree_util.tree_map(
-                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, out)
+            return cast_outputs(out, dtype)
         return out
 
     return interceptor
@@ -400,14 +400,12 @@ def _state_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransfo
     by `optax.apply_updates` as usual. For float32 params this changes nothing.
     """
     tx = optax.with_extra_args_support(tx)
-    as_float32 = lambda tree: jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x, jnp.float32) if is_inexact(x) else x, tree)
 
     def init(params):
-        return tx.init(as_float32(params))
+        return tx.init(to_float32(params))
 
     def update(updates, state, params=None, **extra_args):
-        return tx.update(updates, state, None if params is None else as_float32(params),
+        return tx.update(updates, state, None if params is None else to_float32(params),
                          **extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -63,7 +63,8 @@ class MasterWeightsState(NamedTuple):
         return found[0]
 
 
-def _to_float32(tree: Any) -> Any:
+def to_float32(tree: Any) -> Any:
+    """`tree` with its floating and complex leaves as float32 arrays; other leaves as they are."""
     return jax.tree_util.tree_map(
         lambda x: jnp.asarray(x, jnp.float32) if is_inexact(x) else x, tree)
 
@@ -96,7 +97,7 @@ def master_weights(inner: optax.GradientTransformation,
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
-        masters = _to_float32(params)
+        masters = to_float32(params)
         return MasterWeightsState(masters=masters, inner_state=inner.init(masters))
 
     def update(updates, state, params=None, **extra_args):
@@ -104,9 +105,9 @@ def master_weights(inner: optax.GradientTransformation,
             raise ValueError("master_weights needs the model params in update(grads, state, "
                              "params): the updates take each param to its new master.")
         if num_losses == 1:
-            grads = _to_float32(updates)
+            grads = to_float32(updates)
         else:
-            grads = [None if g is None else _to_float32(g) for g in updates]
+            grads = [None if g is None else to_float32(g) for g in updates]
         master_updates, inner_state = inner.update(grads, state.inner_state, state.masters,
                                                    **extra_args)
         masters = optax.apply_updates(state.masters, master_updates)
