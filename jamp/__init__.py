@@ -28,7 +28,7 @@ from jamp.scaler import (
     select_tree,
 )
 from jamp.transforms import autocast, custom_bwd, custom_fwd
-from jamp import autograd, frontend
+from jamp import autograd, frontend, profile
 from jamp.frontend import (
     MasterWeightsState,
     initialize,

@@ -17,12 +17,13 @@ from jamp.autograd.grad_mode import (
     set_grad_enabled,
 )
 from jamp.autograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
+from jamp import profile as profiler
 
 del _gradcheck_module
 
 __all__ = [
     "Function", "FunctionCtx", "GradcheckError", "anomaly_mode", "detect_anomaly",
     "enable_grad", "forward_ad", "function", "functional", "grad_mode", "gradcheck",
-    "gradgradcheck", "graph", "inference_mode", "no_grad", "once_differentiable",
+    "gradgradcheck", "graph", "inference_mode", "no_grad", "once_differentiable", "profiler",
     "register_hook", "set_detect_anomaly", "set_grad_enabled",
 ]

@@ -344,6 +344,16 @@ def array_literals(closed: ClosedJaxpr) -> list:
     return found
 
 
+def without_dead_code(jaxpr: Jaxpr) -> Jaxpr:
+    """`jaxpr` without the equations whose results nothing uses and that have no effects,
+    in its sub-jaxprs too (a scan's unused outputs, a cond branch's): the program `jax.jit`
+    lowers, which runs this same pass first (`jax.make_jaxpr` and `Traced.jaxpr` keep the dead
+    equations). Not public: `partial_eval.dce_jaxpr` and its per-primitive rules."""
+    from jax._src.interpreters import partial_eval as _pe
+    live, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    return live
+
+
 def jaxprs_in_params(params: dict) -> bool:
     """True when an equation's params hold sub-jaxprs (a higher-order primitive)."""
     for value in params.values():
@@ -486,3 +496,36 @@ def scan_parts(params: dict) -> tuple[ClosedJaxpr, int, int, dict]:
     if "_split_transpose" in params:
         options["_split_transpose"] = params["_split_transpose"]
     return (_as_closed(params["jaxpr"]), params["num_consts"], params["num_carry"], options)
+
+
+def scope_names(eqn: JaxprEqn) -> list[str]:
+    """The `jax.named_scope` names on an equation's name stack, outermost first: Flax linen
+    module paths (`Model`, `Dense_0`), user scopes and autocast regions; the transformations
+    wrapped around them (`jvp(...)`, `transpose(...)`) are left out. Not public: the name
+    stack's `Scope` entries are internal types."""
+    return [entry.name for entry in eqn.source_info.name_stack.stack
+            if isinstance(entry, _source_info.Scope)]
+
+
+def live_executables() -> list[Any]:
+    """The runtime executables (`jaxlib` `LoadedExecutable`s, with `hlo_modules()`) of every
+    compiled JAX program still alive in this process, however it was compiled: `jax.jit`'s
+    own cache, `.lower().compile()`, eager op dispatch.
+
+    The profiler needs them to read the HLO of the programs that ran in a trace, which names
+    them only by module name and program id; JAX keeps no public registry of what it compiled.
+    `jax._src.stages.Executable` is the base of every compiled program (`runtime_executable()`
+    is what the public `jax.stages.Compiled` returns); the garbage collector finds the live ones.
+    """
+    import gc
+    from jax._src import stages as _stages
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, _stages.Executable):
+            try:
+                runtime = obj.runtime_executable()
+            except Exception:  # an executable kind without a runtime one (e.g. a fallback)
+                continue
+            if runtime is not None and hasattr(runtime, "hlo_modules"):
+                found.append(runtime)
+    return found

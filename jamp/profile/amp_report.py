@@ -1,0 +1,645 @@
+"""`amp_report`: how much of a program runs in half precision, and what its casts cost.
+
+The report is read from the program, before any accelerator time is spent: the function is
+traced to a jaxpr (after `jamp.autocast` has put its casts in) and every equation, sub-programs
+included, is counted by primitive and by Flax module, with the FLOPs of its matmuls and
+convolutions and the bytes of its operands and results by dtype. The converts are those of the
+lowered program; the compiled program adds XLA's own estimates of FLOPs, bytes accessed and
+memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from jamp.profile.table import format_memory
+from jamp.transforms import _jax_internals as jx
+from jamp.transforms.autocast_rules import MARKER_PREFIX
+
+# The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
+MATMULS = ("dot_general", "conv_general_dilated")
+HALF_DTYPES = ("float16", "bfloat16")
+TOP_LEVEL = "(top level)"
+
+_CONVERT = "convert_element_type"
+# `jax.jit`'s wrapper type: an already jitted function is traced, lowered and compiled through
+# its own caches, so a report on a training step a script already compiled compiles nothing.
+_JITTED = type(jax.jit(lambda: None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """The equations of one primitive, or of one Flax module, and what they cost.
+
+    Attributes:
+      name: the primitive (`dot_general`) or the module path (`Model/Dense_0`, or
+        `(top level)` for equations outside any named scope).
+      static_count: equations in the program text (a `jax.jit` body called from several
+        places is one function of the lowered program, and counted once).
+      count: equations executed: a scan body's times its length, and so on.
+      flops: matmul and convolution FLOPs executed, by compute dtype name.
+      bytes: bytes of operands and results executed, by dtype name.
+    """
+
+    name: str
+    static_count: int
+    count: int
+    flops: Mapping[str, int]
+    bytes: Mapping[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, static_count=self.static_count, count=self.count,
+                    flops=dict(self.flops), bytes=dict(self.bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Convert:
+    """The conversions from one dtype to another that one primitive lowers to.
+
+    Attributes:
+      source, target: dtype names.
+      primitive: `convert_element_type` for the casts in the program (autocast's among
+        them), or the primitive whose lowering converts (`pow` converts an integer exponent).
+      static_count: `stablehlo.convert` ops in the lowered program.
+      count: executed.
+      bytes: bytes written (the results), executed.
+    """
+
+    source: str
+    target: str
+    primitive: str
+    static_count: int
+    count: int
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStats:
+    """What the lowered and compiled program say (None where the backend does not say).
+
+    Attributes:
+      flops: XLA's cost analysis: FLOPs of every op, not only matmuls.
+      bytes_accessed: XLA's cost analysis: bytes read and written.
+      memory: the compiled program's memory sizes in bytes (`argument`, `output`, `temp`,
+        `alias`, `generated_code`).
+      lowered_converts: the `stablehlo.convert` ops of the lowered program, counted in its
+        text: the report's converts account for each of them.
+    """
+
+    flops: float | None
+    bytes_accessed: float | None
+    memory: Mapping[str, int] | None
+    lowered_converts: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(flops=self.flops, bytes_accessed=self.bytes_accessed,
+                    memory=None if self.memory is None else dict(self.memory),
+                    lowered_converts=self.lowered_converts)
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpReport:
+    """What `amp_report` found. Printing it prints `table()`.
+
+    Attributes:
+      half_flops_fraction: the share of matmul and convolution FLOPs with float16 or
+        bfloat16 operands (0.0 for a program without any).
+      flops: matmul and convolution FLOPs executed, by compute dtype.
+      bytes: bytes of operands and results executed, by dtype.
+      primitives: a `Row` per primitive, most FLOPs (then bytes) first.
+      modules: a `Row` per Flax module path, most FLOPs (then bytes) first.
+      converts: a `Convert` per (source, target, primitive), most bytes first.
+      compiled: the lowered and compiled program's own numbers.
+    """
+
+    half_flops_fraction: float
+    flops: Mapping[str, int]
+    bytes: Mapping[str, int]
+    primitives: tuple[Row, ...]
+    modules: tuple[Row, ...]
+    converts: tuple[Convert, ...]
+    compiled: CompiledStats
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain Python (dicts, lists, strings and numbers): `json.dumps` takes
+        it as it is."""
+        return dict(
+            half_flops_fraction=self.half_flops_fraction, flops=dict(self.flops),
+            bytes=dict(self.bytes), primitives=[r.to_dict() for r in self.primitives],
+            modules=[r.to_dict() for r in self.modules],
+            converts=[c.to_dict() for c in self.converts], compiled=self.compiled.to_dict())
+
+    def table(self, row_limit: int | None = 20) -> str:
+        """The report as text: a summary, then the primitives, modules and converts.
+
+        Args:
+          row_limit: the most rows shown per section; None or a negative number shows all
+            (torch's profiler tables take -1).
+        """
+        if row_limit is not None and (isinstance(row_limit, bool)
+                                      or not isinstance(row_limit, int)):
+            raise TypeError(f"row_limit must be an int or None; got {row_limit!r}.")
+        limit = None if row_limit is None or row_limit < 0 else row_limit
+        compiled = self.compiled
+        estimates = [f"{_flops(compiled.flops)} FLOPs" if compiled.flops is not None else "",
+                     f"{format_memory(int(compiled.bytes_accessed))} accessed"
+                     if compiled.bytes_accessed is not None else "",
+                     f"{format_memory(compiled.memory.get('temp', 0))} temp memory"
+                     if compiled.memory is not None else ""]
+        lines = [
+            f"half_flops_fraction {self.half_flops_fraction:.3f} (the share of matmul/conv "
+            f"FLOPs in {' or '.join(HALF_DTYPES)})",
+            f"matmul/conv FLOPs: {_amounts(self.flops, _flops) or '0'}",
+            f"bytes of operands and results: {_amounts(self.bytes, format_memory) or '0'}",
+            f"converts: {sum(c.count for c in self.converts)} executed "
+            f"({sum(c.static_count for c in self.converts)} in the lowered program), "
+            f"{format_memory(sum(c.bytes for c in self.converts))} written",
+            "compiled, XLA's estimates: " + (", ".join(e for e in estimates if e) or "none"),
+        ]
+        header = ("count", "executed", "FLOPs", "bytes")
+        for title, rows in (("primitive", self.primitives), ("module", self.modules)):
+            cells = [(r.name, str(r.static_count), str(r.count), _amounts(r.flops, _flops),
+                      _amounts(r.bytes, format_memory)) for r in rows[:limit]]
+            lines += ["", *_columns([(title, *header), *cells], len(rows) - len(cells))]
+        cells = [(f"{_short(c.source)} -> {_short(c.target)}", str(c.static_count),
+                  str(c.count), format_memory(c.bytes), c.primitive)
+                 for c in self.converts[:limit]]
+        lines += ["", *_columns([("convert", "count", "executed", "written", "by"), *cells],
+                                len(self.converts) - len(cells))]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def plot(self, ax=None, quantity: str = "flops"):
+        """A stacked bar per module of its FLOPs (or bytes) by dtype, with matplotlib.
+
+        Args:
+          ax: the matplotlib Axes to draw on; default: a new figure's.
+          quantity: "flops" (matmul and convolution FLOPs) or "bytes".
+
+        Returns:
+          The Axes.
+        """
+        if quantity not in ("flops", "bytes"):
+            raise ValueError(f"AmpReport.plot's quantity must be 'flops' or 'bytes'; got "
+                             f"{quantity!r}.")
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("AmpReport.plot needs matplotlib: pip install matplotlib") from e
+        rows = [r for r in self.modules if getattr(r, quantity)][::-1]  # the biggest on top
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(rows)))
+        left = np.zeros(len(rows))
+        for dtype in sorted({d for r in rows for d in getattr(r, quantity)}):
+            widths = np.array([getattr(r, quantity).get(dtype, 0) for r in rows], float)
+            ax.barh([r.name for r in rows], widths, left=left, label=dtype)
+            left += widths
+        ax.set_xlabel("matmul/conv FLOPs" if quantity == "flops" else "bytes of operands and "
+                      "results")
+        ax.set_title(f"By dtype per module (half_flops_fraction "
+                     f"{self.half_flops_fraction:.3f})")
+        if rows:
+            ax.legend()
+        return ax
+
+
+def amp_report(fn: Callable, *args: Any, **kwargs: Any) -> AmpReport:
+    """Counts what `fn(*args, **kwargs)` runs, by primitive, Flax module and dtype.
+
+    `fn` is anything `jax.jit` can trace: a plain function, a `jax.jit` one, a
+    `jamp.autocast` one, a `jax.grad` of those, a whole training step. Its program is read as
+    `jax.jit` lowers it (dead code left out), sub-programs included: jit, custom_jvp and
+    custom_vjp bodies, checkpoint/remat, shard_map (its per-device body counted once per
+    device), `scan` (its body's executed counts times its length), `while` (its body counted
+    once: the trip count is not known before it runs), `cond` (every branch in the static
+    counts, the most expensive branch in the executed ones).
+
+    FLOPs are counted for matmuls and convolutions only: `dot_general` 2*batch*m*n*k,
+    `conv_general_dilated` 2 * output size * kernel window * input features per group, under
+    their operands' (compute) dtype, not `preferred_element_type` (the result type: a bfloat16
+    matmul accumulating into float32 counts as bfloat16). Bytes count each equation's array
+    operands and results under their own dtypes. Converts are the `stablehlo.convert` ops of
+    the lowered program: the `convert_element_type` equations between two dtypes, and those
+    that other primitives lower to (found by lowering each kind of equation on its own).
+
+    Module rows come from the `jax.named_scope` names Flax linen gives each module's call
+    (`Model/Dense_0`); an equation belongs to its innermost module (a parent's row leaves out
+    its submodules'). Flax NNX modules do not name their calls: wrap a call in
+    `jax.named_scope("...")` to get a row for it. Python scalars among the arguments are traced
+    as `jax.jit` traces them: bind static ones with `functools.partial`.
+
+    Args:
+      fn: the function to report on.
+      *args, **kwargs: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+
+    Returns:
+      An `AmpReport`: `print` it for a table, `.to_dict()` for JSON.
+
+    Raises:
+      TypeError: `fn` is not callable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> from jamp.profile import amp_report
+      >>> def mlp(w1, w2, x):
+      ...     return jnp.mean(jnp.tanh(x @ w1) @ w2)
+      >>> w1, w2, x = jnp.ones((16, 32)), jnp.ones((32, 4)), jnp.ones((8, 16))
+      >>> amp_report(mlp, w1, w2, x).half_flops_fraction
+      0.0
+      >>> report = amp_report(jamp.autocast(mlp, dtype=jnp.bfloat16), w1, w2, x)
+      >>> report.half_flops_fraction
+      1.0
+      >>> report.flops == {"bfloat16": 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4}
+      True
+      >>> [(c.source, c.target, c.count) for c in report.converts]
+      [('float32', 'bfloat16', 4), ('bfloat16', 'float32', 2)]
+    """
+    if not callable(fn):
+        raise TypeError(f"amp_report's first argument must be a function to report on; got "
+                        f"{fn!r} of type {type(fn).__name__}.")
+    traced = (fn if isinstance(fn, _JITTED) else jax.jit(fn)).trace(*args, **kwargs)
+    tally = _Tally()
+    tally.walk(jx.without_dead_code(traced.jaxpr.jaxpr), (), 1)
+    lowered = traced.lower()
+    return _report(tally, _lowering_converts(tally.examples),
+                   _compiled_stats(lowered.compile(), _converts_in(lowered.as_text())))
+
+
+# -- counting the program -------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Stats:
+    static: int = 0
+    count: int = 0
+    flops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, other: "_Stats", times: int = 1, static: bool = True) -> None:
+        self.static += other.static if static else 0
+        self.count += other.count * times
+        for mine, theirs in ((self.flops, other.flops), (self.bytes, other.bytes)):
+            for dtype, n in theirs.items():
+                mine[dtype] += n * times
+
+
+class _Tally:
+    """The statistics of a program, keyed by `("eqn", primitive, module path, lowering)`
+    (`lowering` names a first-order equation's lowering, None for others) and, for casts,
+    `("convert", source, target, module path)`. A sub-program is counted into a tally of its
+    own, then added in as often as it runs."""
+
+    def __init__(self, parent: "_Tally | None" = None):
+        self.stats: dict[tuple, _Stats] = collections.defaultdict(_Stats)
+        # Shared by a program and its sub-programs: one equation per kind of lowering, and
+        # the jit bodies already counted statically (jax lowers a jit body called from
+        # several places to one function).
+        self.examples: dict[Any, Any] = {} if parent is None else parent.examples
+        self.written_jits: dict[int, Any] = {} if parent is None else parent.written_jits
+
+    def add(self, other: "_Tally", times: int, static: bool = True) -> None:
+        for key, stats in other.stats.items():
+            self.stats[key].add(stats, times, static)
+
+    def cost(self) -> tuple[int, int]:
+        """Executed (FLOPs, bytes): what picks a cond's most expensive branch."""
+        flops = sum(sum(s.flops.values()) for s in self.stats.values())
+        return flops, sum(sum(s.bytes.values()) for s in self.stats.values())
+
+    def walk(self, jaxpr, path: tuple[str, ...], times: int) -> None:
+        for eqn in jaxpr.eqns:
+            here = _module_path(path, jx.scope_names(eqn))
+            bodies = list(jex_core.jaxprs_in_params(eqn.params))
+            if bodies:  # a higher-order equation: its work is its bodies'
+                own = self.stats[("eqn", eqn.primitive.name, here, None)]
+                self._walk_bodies(eqn, bodies, here, times)
+            elif eqn.primitive.name == _CONVERT:
+                own = self.stats[("eqn", eqn.primitive.name, here, None)]
+                self._note_convert(eqn, here, times)
+            else:
+                lowering = _lowering_key(eqn)
+                self.examples.setdefault(lowering, eqn)
+                own = self.stats[("eqn", eqn.primitive.name, here, lowering)]
+            own.static += 1
+            own.count += times
+            if not bodies:
+                flops = _matmul_flops(eqn)
+                if flops:
+                    own.flops[_compute_dtype(eqn)] += flops * times
+                for atom in (*eqn.invars, *eqn.outvars):
+                    dtype, size = _array_bytes(atom.aval)
+                    if size:
+                        own.bytes[dtype] += size * times
+
+    def _note_convert(self, eqn, path: tuple[str, ...], times: int) -> None:
+        source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        if source == target:  # a weak-type change only: it lowers to nothing
+            return
+        stats = self.stats[("convert", str(source), str(target), path)]
+        stats.static += 1
+        stats.count += times
+        stats.bytes[str(target)] += _array_bytes(eqn.outvars[0].aval)[1] * times
+
+    def _walk_bodies(self, eqn, bodies: list, path: tuple[str, ...], times: int) -> None:
+        name = eqn.primitive.name
+        if name == "cond":  # one branch runs, which one is known only then: the costliest
+            branches = [self._sub(body, path) for body in bodies]
+            costliest = max(branches, key=_Tally.cost)
+            for branch in branches:
+                self.add(branch, times if branch is costliest else 0)
+            return
+        if name == "scan":
+            times *= eqn.params["length"]
+        elif name == "shard_map":  # the body is one device's share: it runs on each
+            times *= _shard_count(eqn.params)
+        for body in bodies:
+            written = name == "jit" and id(body) in self.written_jits
+            if name == "jit":
+                self.written_jits[id(body)] = body  # kept alive: its id stays its own
+            self.add(self._sub(body, path), times, static=not written)
+
+    def _sub(self, body, path: tuple[str, ...]) -> "_Tally":
+        sub = _Tally(self)
+        sub.walk(getattr(body, "jaxpr", body), path, 1)
+        return sub
+
+
+def _module_path(outer: tuple[str, ...], names: Sequence[str]) -> tuple[str, ...]:
+    """The scope path of an equation whose sub-program runs at `outer` (the names on a
+    sub-program's equations start where the calling equation's end). autocast's region
+    markers are not modules; a name repeated right after itself is one module calling its own
+    method again (linen's `SelfAttention` calls `MultiHeadDotProductAttention.__call__`)."""
+    path = list(outer)
+    for name in names:
+        if not name.startswith(MARKER_PREFIX) and (not path or path[-1] != name):
+            path.append(name)
+    return tuple(path)
+
+
+def _matmul_flops(eqn) -> int:
+    """2 * the multiply-adds of a matmul or convolution; 0 for every other primitive."""
+    name = eqn.primitive.name
+    if name not in MATMULS:
+        return 0
+    lhs, rhs = (a.aval.shape for a in eqn.invars[:2])
+    out = eqn.outvars[0].aval.shape
+    if name == "dot_general":
+        # Each output element (batch x m x n of them) sums k products.
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        return 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+    # Each output element sums a kernel window of products over the kernel's input features,
+    # which are one group's input features (feature_group_count already divided them).
+    rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, window)
+    window = math.prod(rhs[d] for d in rhs_spec[2:])
+    return 2 * math.prod(out) * window * rhs[rhs_spec[1]]
+
+
+def _compute_dtype(eqn) -> str:
+    """The dtype a matmul computes in: its operands' (promoted, if they differ)."""
+    lhs, rhs = (a.aval.dtype for a in eqn.invars[:2])
+    return str(jnp.promote_types(lhs, rhs))
+
+
+def _array_bytes(aval) -> tuple[str, int]:
+    """(dtype name, bytes) of an array's abstract value; ("", 0) for tokens and the like."""
+    dtype, shape = getattr(aval, "dtype", None), getattr(aval, "shape", None)
+    if dtype is None or shape is None:
+        return "", 0
+    return str(dtype), math.prod(shape) * getattr(dtype, "itemsize", 0)
+
+
+def _shard_count(params: dict) -> int:
+    """The devices a shard_map body runs on: the sizes of its manual mesh axes."""
+    options = jx.shard_map_options(params)
+    sizes = dict(options["mesh"].shape)
+    return math.prod(sizes[a] for a in options.get("axis_names", sizes))
+
+
+# -- converts that other primitives lower to -------------------------------------------------
+#
+# A few primitives lower to a `stablehlo.convert` of their own: `pow` with an integer exponent
+# converts it, a `gather` that fills out-of-bounds reads converts its indices. Which ones, and
+# when, is the lowering rules' business and changes between jax versions, so it is measured:
+# every kind of first-order equation of the program is lowered once, all together in one
+# program, and a program that converts is split in halves until each convert is pinned on
+# its equation.
+
+def _lowering_key(eqn) -> tuple:
+    """What an equation's lowering depends on: the primitive, its params, the operand
+    types and which operands are literals (with their values when they are scalars: an
+    array literal, a closed-over constant, is known by its type)."""
+    operands = tuple(
+        (a.aval.shape, str(a.aval.dtype), getattr(a.aval, "weak_type", False),
+         isinstance(a, jx.Literal) and (repr(a.val) if np.ndim(a.val) == 0 else "array"))
+        for a in eqn.invars)
+    return eqn.primitive.name, repr(sorted(eqn.params.items())), operands
+
+
+def _lowering_converts(examples: Mapping[Any, Any]) -> dict[Any, list[tuple[str, str, int]]]:
+    """The `(source, target, bytes written)` of each convert that each kind of equation
+    lowers to, for those that lower to any."""
+    found: dict[Any, list[tuple[str, str, int]]] = {}
+
+    def probe(keys: Sequence[Any], converts: list | None) -> None:
+        # `converts`: those of `keys` lowered together; None when they cannot be (a psum
+        # outside its shard_map): then the halves are tried, down to single equations.
+        if converts == []:
+            return
+        if len(keys) == 1:
+            if converts:
+                found[keys[0]] = converts
+            return
+        first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
+        in_first = _lowered_converts([examples[k] for k in first])
+        everything_in_first = (converts is not None and in_first is not None
+                               and len(in_first) == len(converts))
+        in_second = [] if everything_in_first else _lowered_converts(
+            [examples[k] for k in second])
+        probe(first, in_first)
+        probe(second, in_second)
+
+    keys = list(examples)
+    if keys:
+        probe(keys, _lowered_converts([examples[k] for k in keys]))
+    return found
+
+
+def _lowered_converts(eqns: Sequence[Any]) -> list[tuple[str, str, int]] | None:
+    """The converts of a program binding each of `eqns` once on inputs of their types, or
+    None when it cannot be lowered."""
+    specs = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype,
+                                  weak_type=getattr(a.aval, "weak_type", False))
+             for eqn in eqns for a in eqn.invars if not isinstance(a, jx.Literal)]
+
+    def program(*arrays):
+        arrays, outs = iter(arrays), []
+        for eqn in eqns:
+            values = [a.val if isinstance(a, jx.Literal) else next(arrays) for a in eqn.invars]
+            outs += jx.bind(eqn, eqn.params, values)
+        return outs
+
+    try:
+        text = jax.jit(program).lower(*specs).as_text()
+    except Exception:  # noqa: BLE001 -- any lowering failure means "not on its own"
+        return None
+    return _converts_in(text)
+
+
+# `%3 = stablehlo.convert %2 : (tensor<4x8xbf16>) -> tensor<4x8xf32>`, or with one type
+# when source and target are the same (`: tensor<1xi32>`).
+_CONVERT_OP = re.compile(r"stablehlo\.convert\s+%[^:]*:\s*(?:\((tensor<[^>]*>)\)\s*->\s*)?"
+                         r"(tensor<[^>]*>)")
+_TENSOR = re.compile(r"tensor<((?:[0-9?]+x)*)(.*?)>*$")  # dimensions, element type
+_MLIR_TYPES = {"i1": "bool", "bf16": "bfloat16", "f16": "float16", "f32": "float32",
+               "f64": "float64", "complex<f32": "complex64", "complex<f64": "complex128"}
+
+
+def _converts_in(text: str) -> list[tuple[str, str, int]]:
+    """`(source dtype, target dtype, bytes written)` of each `stablehlo.convert` in `text`."""
+    found = []
+    for match in _CONVERT_OP.finditer(text):
+        _, source_element = _TENSOR.match(match.group(1) or match.group(2)).groups()
+        dims, element = _TENSOR.match(match.group(2)).groups()
+        target = _dtype_name(element)
+        found.append((_dtype_name(source_element), target, _tensor_bytes(dims, target)))
+    return found
+
+
+def _dtype_name(element: str) -> str:
+    """The dtype name of an MLIR element type: `f8E4M3FN` -> `float8_e4m3fn`."""
+    if element in _MLIR_TYPES:
+        return _MLIR_TYPES[element]
+    kind = re.fullmatch(r"(ui|i|f)(\d+)(\w*)", element)
+    if kind is None:
+        return element
+    prefix, bits, variant = kind.groups()
+    name = {"ui": "uint", "i": "int", "f": "float"}[prefix] + bits
+    return name + (f"_{variant.lower()}" if variant else "")
+
+
+def _tensor_bytes(dims: str, dtype: str) -> int:
+    """The bytes of a tensor of MLIR dimensions `dims` (`4x8x`) and dtype `dtype`."""
+    try:
+        return math.prod(int(d) for d in dims.split("x") if d) * jnp.dtype(dtype).itemsize
+    except (TypeError, ValueError):  # a dynamic dimension (`?`), a type numpy does not know
+        return 0
+
+
+# -- the report -----------------------------------------------------------------------------
+
+def _report(tally: _Tally, lowering_converts: Mapping[Any, list], compiled) -> AmpReport:
+    primitives = collections.defaultdict(_Stats)
+    modules = collections.defaultdict(_Stats)
+    converts = collections.defaultdict(_Stats)
+    for key, stats in tally.stats.items():
+        if key[0] == "convert":
+            _, source, target, _ = key
+            converts[(source, target, _CONVERT)].add(stats)
+            continue
+        _, name, path, lowering = key
+        primitives[name].add(stats)
+        modules["/".join(path) or TOP_LEVEL].add(stats)
+        for source, target, size in lowering_converts.get(lowering, ()):
+            extra = converts[(source, target, name)]
+            extra.static += stats.static
+            extra.count += stats.count
+            extra.bytes[target] += size * stats.count
+    total = _Stats()
+    for stats in primitives.values():
+        total.add(stats)
+    half = sum(n for dtype, n in total.flops.items() if dtype in HALF_DTYPES)
+    all_flops = sum(total.flops.values())
+    return AmpReport(
+        half_flops_fraction=half / all_flops if all_flops else 0.0,
+        flops=_plain(total.flops), bytes=_plain(total.bytes),
+        primitives=_rows(primitives), modules=_rows(modules),
+        converts=tuple(sorted(
+            (Convert(source, target, by, s.static, s.count, sum(s.bytes.values()))
+             for (source, target, by), s in converts.items()),
+            key=lambda c: (-c.bytes, -c.count, c.source, c.target, c.primitive))),
+        compiled=compiled)
+
+
+def _rows(stats: Mapping[str, _Stats]) -> tuple[Row, ...]:
+    rows = [Row(name, s.static, s.count, _plain(s.flops), _plain(s.bytes))
+            for name, s in stats.items()]
+    return tuple(sorted(rows, key=lambda r: (-sum(r.flops.values()), -sum(r.bytes.values()),
+                                             -r.count, r.name)))
+
+
+def _plain(counts: Mapping[str, int]) -> dict[str, int]:
+    """Python ints by dtype, the largest first, zeros left out."""
+    return {d: int(n) for d, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if n}
+
+
+def _compiled_stats(compiled, lowered_converts: list) -> CompiledStats:
+    """XLA's cost analysis and memory sizes of a `jax.stages.Compiled`."""
+    try:
+        cost = compiled.cost_analysis()
+    except NotImplementedError:  # a backend without a cost model
+        cost = None
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    cost = cost or {}
+    try:
+        sizes = compiled.memory_analysis()
+    except NotImplementedError:
+        sizes = None
+    memory = None if sizes is None else {
+        key: int(getattr(sizes, f"{key}_size_in_bytes"))
+        for key in ("argument", "output", "temp", "alias", "generated_code")
+        if hasattr(sizes, f"{key}_size_in_bytes")}
+    number = lambda v: None if v is None else float(v)
+    return CompiledStats(number(cost.get("flops")), number(cost.get("bytes accessed")), memory,
+                         len(lowered_converts))
+
+
+# -- text -----------------------------------------------------------------------------------
+
+_SI = ("", "k", "M", "G", "T", "P", "E")
+
+
+def _flops(value: float) -> str:
+    """`2.82G`: three significant digits and an SI prefix."""
+    k = 0
+    while abs(value) >= 1000 and k < len(_SI) - 1:
+        value /= 1000
+        k += 1
+    return f"{value:.0f}" if k == 0 else f"{value:.3g}{_SI[k]}"
+
+
+def _amounts(counts: Mapping[str, int], unit: Callable[[float], str]) -> str:
+    """`1.05M bf16, 2.1k f32`: amounts by dtype, the largest first."""
+    return ", ".join(f"{unit(n)} {_short(d)}" for d, n in counts.items())
+
+
+def _short(dtype: str) -> str:
+    for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"),
+                        ("complex", "c")):
+        if dtype.startswith(long):
+            return short + dtype[len(long):]
+    return dtype
+
+
+def _columns(rows: list[tuple[str, ...]], hidden: int) -> list[str]:
+    """Aligned columns, counts right-aligned; a last line says how many rows were cut."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if c in (1, 2) else cell.ljust(w)
+                       for c, (cell, w) in enumerate(zip(row, widths))).rstrip()
+             for row in rows]
+    if len(rows) == 1:
+        lines.append("(none)")
+    return lines + ([f"... {hidden} more (row_limit)"] if hidden else [])

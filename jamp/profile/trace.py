@@ -1,0 +1,240 @@
+"""A JAX trace (the XSpace `jax.profiler` writes) read back as `FunctionEvent`s.
+
+Three kinds of events come out:
+- ops: every event of the trace that names an HLO instruction (`hlo_op`, `hlo_module`,
+  `program_id` stats): the CPU backend's thunks and a GPU's kernels and launches. Their shapes,
+  FLOPs, scope path and source lines come from the compiled program (`hlo.ProgramCatalog`).
+- program runs: the ops of one execution of a compiled program (the trace's `run_id`), spanned
+  from the first op's start to the last op's end.
+- ranges: the labels `record_function`, `emit_nvtx` and `emit_itt` opened on the host, as
+  recorded, and their labels inside jitted code (named scopes) as the ops that ran under them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable
+
+from jamp.profile import hlo
+from jamp.profile.events import CPU, EventList, FunctionEvent
+
+# Device planes of an XSpace and the device type torch would call them.
+_DEVICE_PLANES = (("/device:GPU", "cuda"), ("/device:TPU", "tpu"))
+_HOST_PLANE = "/host:CPU"
+# Annotations some backends encode in an event's name: `name:#hlo_op=...,hlo_module=...#`.
+_ENCODED_STATS = re.compile(r"#(.*)#")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a profile records beyond names and times (torch's keywords)."""
+
+    record_shapes: bool = False
+    with_flops: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_modules: bool = False
+    use_cpu: bool = True
+
+
+@dataclasses.dataclass
+class _Raw:
+    name: str
+    thread: str
+    device_type: str
+    start_ns: float
+    end_ns: float
+    stats: dict
+
+
+def read_events(data, options: Options, host_labels: Iterable[str],
+                scope_labels: Iterable[str], device_type_of_gpu: str = "cuda"
+                ) -> tuple[EventList, str | None]:
+    """The events of a `jax.profiler.ProfileData` and the name of the device it saw, if any."""
+    raw = list(_raw_events(data, device_type_of_gpu))
+    if not raw:
+        return EventList(), None
+    origin = min(r.start_ns for r in raw)
+    device_name = next((r.device_type for r in raw if r.device_type != CPU), None)
+    host_labels, scope_labels = set(host_labels), set(scope_labels)
+    op_raw = [r for r in raw if "hlo_op" in r.stats and "hlo_module" in r.stats]
+    catalog = hlo.ProgramCatalog({(r.stats["hlo_module"], int(r.stats.get("program_id", 0)))
+                                  for r in op_raw})
+    events: list[FunctionEvent] = []
+
+    def new(name, kind, thread, start_ns, end_ns, device_type=CPU) -> FunctionEvent:
+        event = FunctionEvent(id=len(events), name=name, kind=kind, thread=thread,
+                              start_us=(start_ns - origin) / 1e3,
+                              end_us=(end_ns - origin) / 1e3, device_type=device_type)
+        events.append(event)
+        return event
+
+    ops = []
+    for r in op_raw:
+        module, op = str(r.stats["hlo_module"]), str(r.stats["hlo_op"])
+        # One run per launch and device: a sharded program runs on each of its devices.
+        program = (module, int(r.stats.get("program_id", 0)), r.stats.get("run_id"),
+                   r.stats.get("device_ordinal"))
+        event = new(f"{module}::{op}", "op", r.thread, r.start_ns, r.end_ns, r.device_type)
+        event.program = program
+        _describe(event, catalog.instruction(module, program[1], op), options)
+        ops.append(event)
+    _nest_on_threads(ops)
+
+    runs: dict[tuple, list[FunctionEvent]] = {}
+    for event in ops:
+        runs.setdefault(event.program, []).append(event)
+    programs = []
+    for (module, program_id, run_id, device), members in runs.items():
+        run = new(module, "program", "XLA programs", 0, 0)
+        run.start_us = min(e.start_us for e in members)
+        run.end_us = max(e.end_us for e in members)
+        run.program = (module, program_id, run_id, device)
+        run.children = [e for e in members if e.parent is None]
+        for child in run.children:
+            child.parent = run
+        compiled = catalog.program(module, program_id)
+        if options.profile_memory and compiled is not None:
+            # A run allocates its temporaries and outputs once; its ops write into them.
+            own = compiled.temp_bytes + compiled.output_bytes
+            if any(e.is_device for e in members):
+                run.device_memory_usage = own
+            else:
+                run.cpu_memory_usage = own
+        programs.append(run)
+
+    ranges = [new(r.name, "range", r.thread, r.start_ns, r.end_ns)
+              for r in raw if r.device_type == CPU and r.name in host_labels
+              and "hlo_op" not in r.stats]
+    _nest_on_threads(ranges)
+    for run in programs:  # a program run belongs to the innermost range it started in
+        holders = [r for r in ranges if r.start_us <= run.start_us <= r.end_us]
+        if holders:
+            holder = max(holders, key=lambda r: r.start_us)
+            holder.children.append(run)
+            run.parent = holder
+    if options.profile_memory:
+        _include_children_memory([e for e in events if e.parent is None])
+    for label in scope_labels:
+        events.extend(_scope_ranges(label, ops, len(events)))
+    if not options.use_cpu:
+        events = [e for e in events if e.is_device]
+    for index, event in enumerate(events):
+        event.id = index
+    events.sort(key=lambda e: (e.start_us, -e.end_us))
+    return EventList(events, device_name=device_name, with_flops=options.with_flops,
+                     profile_memory=options.profile_memory,
+                     with_stack=options.with_stack), device_name
+
+
+def _raw_events(data, device_type_of_gpu: str):
+    for plane in data.planes:
+        device_type = None
+        if plane.name == _HOST_PLANE:
+            device_type = CPU
+        for prefix, kind in _DEVICE_PLANES:
+            if plane.name.startswith(prefix):
+                device_type = device_type_of_gpu if kind == "cuda" else kind
+        if device_type is None:
+            continue
+        for line in plane.lines:
+            thread = f"{plane.name}/{line.name}" if device_type != CPU else line.name
+            for event in line.events:
+                stats = dict(event.stats)
+                name = event.name
+                encoded = _ENCODED_STATS.search(name)
+                if encoded and "hlo_op" not in stats:
+                    stats.update(part.split("=", 1) for part in encoded.group(1).split(",")
+                                 if "=" in part)
+                if name.startswith("end: "):  # the end of an asynchronous step, not a step
+                    continue
+                yield _Raw(name, thread, device_type, event.start_ns,
+                           event.start_ns + event.duration_ns, stats)
+
+
+def _describe(event: FunctionEvent, instruction: hlo.Instruction | None,
+              options: Options) -> None:
+    """Fills what the compiled program says about an op event, as the options ask."""
+    if instruction is None:
+        return
+    event.scope = instruction.scope
+    if options.record_shapes:
+        event.input_shapes = instruction.input_shapes
+        event.input_dtypes = instruction.input_dtypes
+    if options.with_flops:
+        event.flops = instruction.flops
+    if options.with_stack:
+        event.stack = instruction.stack
+    if options.with_modules:
+        event.module_hierarchy = instruction.scope
+    if options.profile_memory:
+        if event.is_device:
+            event.device_memory_usage = instruction.output_bytes
+        else:
+            event.cpu_memory_usage = instruction.output_bytes
+
+
+def _include_children_memory(roots: list[FunctionEvent]) -> None:
+    """Makes each event's memory inclusive, as torch's `cpu_memory_usage` is: what it
+    allocates itself plus its children's (so `self_cpu_memory_usage` is its own)."""
+    for event in roots:
+        _include_children_memory(event.children)
+        event.cpu_memory_usage += sum(c.cpu_memory_usage for c in event.children)
+        event.device_memory_usage += sum(c.device_memory_usage for c in event.children)
+
+
+def _nest_on_threads(events: list[FunctionEvent]) -> None:
+    """Parents each event to the innermost event of its thread that encloses it."""
+    by_thread: dict[str, list[FunctionEvent]] = {}
+    for event in events:
+        by_thread.setdefault(event.thread, []).append(event)
+    for members in by_thread.values():
+        members.sort(key=lambda e: (e.start_us, -e.end_us))
+        open_events: list[FunctionEvent] = []
+        for event in members:
+            while open_events and open_events[-1].end_us < event.end_us:
+                open_events.pop()
+            if open_events:
+                event.parent = open_events[-1]
+                open_events[-1].children.append(event)
+            open_events.append(event)
+
+
+def _scope_ranges(label: str, ops: list[FunctionEvent], first_id: int) -> list[FunctionEvent]:
+    """A label opened inside jitted code, once per program run: the ops that ran under it
+    (its name is a component of their scope path). Its CPU and device times are theirs."""
+    runs: dict[tuple, list[FunctionEvent]] = {}
+    for op in ops:
+        if op.parent is not None and op.parent.kind == "op":
+            continue  # counted with the op that encloses it
+        if label in op.scope.split("/"):
+            runs.setdefault(op.program, []).append(op)
+    found = []
+    for members in runs.values():
+        event = _ScopeRange(id=first_id + len(found), name=label, kind="range",
+                            thread="named scopes", start_us=min(e.start_us for e in members),
+                            end_us=max(e.end_us for e in members))
+        event.members = members
+        found.append(event)
+    return found
+
+
+@dataclasses.dataclass
+class _ScopeRange(FunctionEvent):
+    """A label inside jitted code: its times are the sums of its ops' (which may have run on
+    several threads), so it has no time of its own."""
+
+    members: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def cpu_time_total(self) -> float:
+        return sum(e.cpu_time_total for e in self.members)
+
+    @property
+    def self_cpu_time_total(self) -> float:
+        return 0.0
+
+    @property
+    def device_time_total(self) -> float:
+        return sum(e.device_time_total for e in self.members)
