@@ -12,9 +12,10 @@ model from the same initialisation on the same batches with AdamW:
 
 Each run computes its loss in float32 from the model's logits. The script shows a progress bar
 per run, then a table (train and validation loss, skipped steps, median step time, the dtypes of
-the params and of the optimizer's master weights, and the dtypes of the matmuls of the compiled
-training step, read from its StableHLO), a PNG plot of the loss and the loss scale per step,
-and what the numbers say.
+the params and of the optimizer's master weights, the dtypes of the matmuls of the compiled
+training step, read from its StableHLO, and the share of its matmul FLOPs in half precision,
+from `jamp.profile.amp_report`), a PNG plot of the loss and the loss scale per step, and what
+the numbers say.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Result:
     masters: str
     state: str  # the floating dtypes of the optimizer state
     matmuls: str
+    half_flops: float  # amp_report's half_flops_fraction of the training step
+    casts: tuple[int, int]  # the training step's converts: (executed, bytes written)
     masters_are_params_cast: bool | None = None  # None: no separate masters
     diverged_at: int | None = None  # where a `give_up` run was given up
     scale_period: int | None = None  # a dynamic loss scale's growth interval
@@ -131,6 +134,8 @@ def train(run: Run, args, data) -> Result:
     step = jax.jit(step)
     lowered = step.lower(params, opt_state, windows)
     lowered.compile()  # here rather than in the first timed step; the calls below reuse it
+    # Read from the program, not from a run: tracing only, the compile above is reused.
+    report = jamp.profile.amp_report(step, params, opt_state, windows)
     losses, scales, skipped, times, streak, diverged_at = [], [], [], [], 0, None
     for i in range(args.steps):
         windows = windows if i == 0 else next(stream)
@@ -162,7 +167,11 @@ def train(run: Run, args, data) -> Result:
                   step_ms=1e3 * statistics.median(times[1:] or times), valid=valid_loss,
                   params=dtypes(params), masters="-" if same is None else dtypes(masters),
                   state=dtypes(opt_state),
-                  matmuls=matmul_dtypes(lowered.as_text()), masters_are_params_cast=same,
+                  matmuls=matmul_dtypes(lowered.as_text()),
+                  half_flops=report.half_flops_fraction,
+                  casts=(sum(c.count for c in report.converts),
+                         sum(c.bytes for c in report.converts)),
+                  masters_are_params_cast=same,
                   diverged_at=diverged_at,
                   scale_period=getattr(jamp.get_loss_scale(opt_state), "period", None))
 
@@ -180,10 +189,11 @@ def learned(result: Result, reference: Result) -> bool:
 
 
 def table(results: list[Result]) -> str:
-    rows = [("run", "params", "masters", "matmuls (dot_general types)", "first", "train",
-             "valid", "skipped", "step ms")]
-    rows += [(r.name, r.params, r.masters, r.matmuls, f"{r.first:.3f}", f"{r.train:.3f}",
-              f"{r.valid:.3f}", f"{len(r.skipped)}/{len(r.losses)}", f"{r.step_ms:.1f}")
+    rows = [("run", "params", "masters", "matmuls (dot_general types)", "half FLOPs", "first",
+             "train", "valid", "skipped", "step ms")]
+    rows += [(r.name, r.params, r.masters, r.matmuls, f"{r.half_flops:.2f}", f"{r.first:.3f}",
+              f"{r.train:.3f}", f"{r.valid:.3f}", f"{len(r.skipped)}/{len(r.losses)}",
+              f"{r.step_ms:.1f}")
              for r in results]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) if c >= 4 else cell.ljust(w)
@@ -263,6 +273,12 @@ def conclusions(results: list[Result], o3_float16: Result | None, tolerance: flo
     lines.append("Matmuls of the compiled training step (forward and backward): "
                  + "; ".join(f"{', '.join(names)}: {kind}" for kind, names in by_kind.items())
                  + ".")
+    lines.append("Read from each training step's program before it ran (jamp.profile.amp_report):"
+                 " the share of its matmul FLOPs in float16 or bfloat16 was "
+                 + ", ".join(f"{r.name} {r.half_flops:.2f}" for r in results)
+                 + "; what casting cost per step: "
+                 + ", ".join(f"{r.name} {r.casts[0]} converts writing "
+                             f"{r.casts[1] / 2 ** 20:.1f} MiB" for r in results) + ".")
     fastest = min(results, key=lambda r: r.step_ms)
     lines.append(f"Median step time on {jax.default_backend()}: {fastest.name} fastest at "
                  f"{fastest.step_ms:.1f} ms; "

@@ -36,8 +36,8 @@ def test_demo_trains_every_level_and_reports(tmp_path):
 
     header = next(line for line in out.splitlines() if line.startswith("run "))
     columns = re.split(r"\s{2,}", header)
-    assert columns == ["run", "params", "masters", "matmuls (dot_general types)", "first",
-                       "train", "valid", "skipped", "step ms"]
+    assert columns == ["run", "params", "masters", "matmuls (dot_general types)", "half FLOPs",
+                       "first", "train", "valid", "skipped", "step ms"]
     lines = out[out.index(header):].splitlines()[1:]
     rows = {cells[0]: dict(zip(columns, cells)) for cells in
             (re.split(r"\s{2,}", line) for line in lines[:lines.index("")])}
@@ -53,11 +53,19 @@ def test_demo_trains_every_level_and_reports(tmp_path):
         params, masters, matmul = expected[name]
         assert (row["params"], row["masters"]) == (params, masters), name
         assert re.fullmatch(rf"\d+ {matmul}", row["matmuls (dot_general types)"]), name
+        # amp_report's share of half-precision matmul FLOPs agrees with the matmul dtypes.
+        assert float(row["half FLOPs"]) == (0.0 if matmul == "f32" else 1.0), name
     if o3 == "O3 bf16":  # the fallback is said, not silent
         assert "O3 in pure float16 did not train:" in out
         assert "cast_model_type=jnp.bfloat16" in out
     assert "after the last step the params equal the masters cast to float16" in out
     assert "What this run shows:" in out and f"{plot}" in out
+    casts = re.search(r"the share of its matmul FLOPs in float16 or bfloat16 was (.*); what "
+                      r"casting cost per step: (.*)\.$", out, re.M)
+    assert casts is not None
+    assert casts.group(1).startswith("O0 0.00, O1 1.00, O2 1.00")
+    converts = dict(re.findall(r"(\S+(?: bf16)?) (\d+) converts writing", casts.group(2)))
+    assert set(converts) == set(rows) and int(converts["O1"]) > 0
 
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
@@ -68,7 +76,8 @@ def test_a_pure_float16_run_that_does_not_train_is_detected_and_reported():
     def result(name, losses, skipped=(), params="float32", diverged_at=None):
         return demo.Result(name, list(losses), [1.0] * len(losses), list(skipped), step_ms=1.0,
                            valid=2.0, params=params, masters="-", state="float32",
-                           matmuls="51 f32", diverged_at=diverged_at)
+                           matmuls="51 f32", half_flops=0.0, casts=(0, 0),
+                           diverged_at=diverged_at)
 
     falling = [6.0 - 0.1 * i for i in range(40)]
     o0, o3_bf16 = result("O0", falling), result("O3 bf16", falling, params="bfloat16")

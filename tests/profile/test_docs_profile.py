@@ -1,0 +1,57 @@
+"""docs/profile.md's code runs top to bottom and does what its text says."""
+
+import json
+import pathlib
+import re
+
+import jax
+
+import doc_blocks
+
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "profile.md"
+
+
+def lowered_converts(fn, *args) -> int:
+    text = jax.jit(fn).lower(*args).as_text()
+    return len(re.findall(r"\bstablehlo\.convert\b", text))
+
+
+def shown_output() -> list[str]:
+    """The lines of the text block that shows what the AMP report's example prints."""
+    block = next(b for b in doc_blocks.blocks(DOC)
+                 if b.language == "text" and b.code.startswith("half_flops_fraction"))
+    return block.code.splitlines()
+
+
+def test_blocks_follow_the_convention():
+    assert doc_blocks.convention_errors(DOC) == []
+
+
+def test_blocks_run_and_do_what_the_text_says(capsys):
+    def report(ns):
+        report = ns["report"]
+        args = (ns["params"], ns["opt_state"], ns["batch"])
+        assert report.half_flops_fraction == 1.0
+        assert sum(c.static_count for c in report.converts) == lowered_converts(ns["step"], *args)
+        assert {"Block/Dense_0", "Block/MultiHeadDotProductAttention_0/query", "Block/LayerNorm_0",
+                "(top level)"} <= {m.name for m in report.modules}
+        assert "pow" in {c.primitive for c in report.converts}
+        # What it prints is what the text shows, but for XLA's estimates (backend-dependent)
+        # and the counts of the non-matmul primitives (they follow jax's own code).
+        printed = capsys.readouterr().out.splitlines()
+        shown = shown_output()
+        assert printed[:2] == shown[:2]
+        assert [line.split()[:5] for line in printed if line.startswith("dot_general")] == [
+            line.split()[:5] for line in shown if line.startswith("dot_general")]
+        for name in ("Block/Dense_0", "Block/MultiHeadDotProductAttention_0/query"):
+            assert [line.split()[3:5] for line in printed if line.startswith(name)] == [
+                line.split()[3:5] for line in shown if line.startswith(name)]
+
+    def data(ns):
+        assert json.loads(ns["saved"]) == ns["report"].to_dict()
+        assert ns["ax"].patches and ns["ax"].get_legend() is not None
+
+    doc_blocks.run_document(DOC, checks={
+        "report = jamp.profile.amp_report(step": report,
+        "ax = report.plot()": data,
+    })
