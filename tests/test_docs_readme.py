@@ -60,12 +60,21 @@ def _region(ns):
         assert g.dtype == p.dtype and np.all(np.isfinite(g))
 
 
+def _profile(ns):
+    rows = {row.key: row for row in ns["prof"].key_averages()}
+    assert rows["step"].count == 3
+    matmul_flops = 2 * 16 * 64 * 128 + 2 * 16 * 128 * 32
+    assert sum(r.flops for r in rows.values() if r.kind == "op") == 3 * matmul_flops
+    assert ns["report"].flops == {"bfloat16": matmul_flops}
+
+
 CHECKS = {
     "def step(": _tour,
     "jamp.get_policy(": _policy,
     "jamp.initialize(": _initialize,
     "jamp.properties(": _opt_levels,
     "jamp.autocast(enabled=False)": _region,
+    "report = amp_report(step": _profile,
 }
 
 

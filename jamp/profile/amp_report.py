@@ -22,8 +22,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp.profile.table import format_memory
+from jamp.profile import scopes
 from jamp.transforms import _jax_internals as jx
-from jamp.transforms.autocast_rules import MARKER_PREFIX
 
 # The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -321,7 +321,7 @@ class _Tally:
 
     def walk(self, jaxpr, path: tuple[str, ...], times: int) -> None:
         for eqn in jaxpr.eqns:
-            here = _module_path(path, jx.scope_names(eqn))
+            here = scopes.module_path(path, jx.scope_names(eqn))
             bodies = list(jex_core.jaxprs_in_params(eqn.params))
             if bodies:  # a higher-order equation: its work is its bodies'
                 own = self.stats[("eqn", eqn.primitive.name, here, None)]
@@ -375,18 +375,6 @@ class _Tally:
         sub = _Tally(self)
         sub.walk(getattr(body, "jaxpr", body), path, 1)
         return sub
-
-
-def _module_path(outer: tuple[str, ...], names: Sequence[str]) -> tuple[str, ...]:
-    """The scope path of an equation whose sub-program runs at `outer` (the names on a
-    sub-program's equations start where the calling equation's end). autocast's region
-    markers are not modules; a name repeated right after itself is one module calling its own
-    method again (linen's `SelfAttention` calls `MultiHeadDotProductAttention.__call__`)."""
-    path = list(outer)
-    for name in names:
-        if not name.startswith(MARKER_PREFIX) and (not path or path[-1] != name):
-            path.append(name)
-    return tuple(path)
 
 
 def _matmul_flops(eqn) -> int:

@@ -4,6 +4,7 @@ Each example's `main` is called in this process (no subprocess: one jax start-up
 the tests' eight CPU devices (tests/conftest.py), which `data_parallel.py` needs.
 """
 
+import json
 import math
 import pathlib
 import sys
@@ -17,6 +18,7 @@ sys.path.insert(0, str(EXAMPLES))
 import cnn_digits  # noqa: E402
 import data_parallel  # noqa: E402
 import gan  # noqa: E402
+import profile_step  # noqa: E402
 
 
 def test_cnn_digits_trains_at_every_opt_level_with_its_dtypes(capsys):
@@ -91,3 +93,24 @@ def test_gan_keeps_three_loss_scales_and_its_samples_approach_the_ring(capsys):
     first, last = result["initial"], result["log"][-1]["quality"]
     assert last["energy"] < 0.5 * first["energy"]  # the samples approach the real ones
     assert "moved toward the real distribution" in out
+
+
+def test_profile_step_reports_precision_and_times_of_the_three_steps(capsys, tmp_path):
+    out = tmp_path / "profile.json"
+    result = profile_step.main(["--steps", "2", "--batch", "2", "--seq", "16", "--width", "32",
+                                "--depth", "1", "--rows", "5", "--out", str(out)])
+    printed = capsys.readouterr().out
+    r = result["results"]
+    assert list(r) == ["float32", "autocast float16", "hand-written float16"]
+    assert r["float32"]["half_flops_fraction"] == 0.0
+    assert r["autocast float16"]["half_flops_fraction"] == 1.0
+    assert r["hand-written float16"]["half_flops_fraction"] == 1.0
+    assert r["autocast float16"]["converts"] > r["float32"]["converts"]
+    for name, numbers in r.items():
+        assert numbers["step_time_us"] > 0 and math.isfinite(numbers["ratio_to_float32"]), name
+    prof, _ = result["profiles"]["autocast float16"]
+    rows = {row.key: row for row in prof.key_averages()}
+    assert rows["autocast float16"].count == rows["jit_autocast_step"].count == 2
+    assert "Self CPU time total" in printed and "half_flops_fraction 1.000" in printed
+    saved = json.loads(out.read_text())
+    assert saved["results"]["autocast float16"]["half_flops_fraction"] == 1.0

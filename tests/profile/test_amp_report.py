@@ -280,6 +280,20 @@ def test_a_module_calling_its_parent_class_call_is_one_module():
         ("Outer/Doubled_0", {"float32": 2 * B * D_IN * D_OUT})]
 
 
+def test_an_einsum_is_an_op_of_its_module_not_a_module():
+    class Mixer(nn.Module):  # jnp.einsum opens a scope named by its subscripts
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.ones, (D_IN, D_OUT))
+            return jnp.einsum("bi,io->bo", x, w)
+
+    model = Mixer()
+    params = model.init(jax.random.key(0), X)
+    report = amp_report(model.apply, params, X)
+    assert [(m.name, m.flops) for m in report.modules] == [
+        ("Mixer", {"float32": 2 * B * D_IN * D_OUT})]
+
+
 def adamw_step(params, opt_state, x, y, tx):
     grads = jax.grad(jamp.autocast(loss_fn, device_type="cuda"))(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)

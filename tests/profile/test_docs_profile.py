@@ -51,7 +51,21 @@ def test_blocks_run_and_do_what_the_text_says(capsys):
         assert json.loads(ns["saved"]) == ns["report"].to_dict()
         assert ns["ax"].patches and ns["ax"].get_legend() is not None
 
+    def table(ns):
+        rows = {row.key: row for row in ns["prof"].key_averages()}
+        assert rows["step"].count == rows["hidden"].count == rows["jit_mlp"].count == 3
+        ops = [row for key, row in rows.items() if key.startswith("jit_mlp::")]
+        assert ops and all(row.count == 3 for row in ops)
+        assert sum(row.flops for row in ops) == 3 * (2 * 16 * 64 * 128 + 2 * 16 * 128 * 32)
+        # The table printed has the columns, and the kinds of rows, the text shows.
+        printed = capsys.readouterr().out.splitlines()
+        shown = next(b for b in doc_blocks.blocks(DOC) if b.language == "text").code.splitlines()
+        assert printed[1].split() == shown[1].split()
+        assert {line.split()[0] for line in printed[3:6]} == {"step", "jit_mlp", "hidden"}
+        assert [line for line in printed if line][-1].startswith("Self CPU time total: ")
+
     doc_blocks.run_document(DOC, checks={
+        "print(prof.key_averages().table(": table,
         "report = jamp.profile.amp_report(step": report,
         "ax = report.plot()": data,
     })
