@@ -112,11 +112,18 @@ class OpTable:
         dtype. Read-only. Keys may also be `jax.extend.core.Primitive` objects (stored by
         name); a name that is no JAX primitive (torch's "softmax", a typo) is a ValueError
         that says what the torch op traces to.
+      scalar_results: the rule of a sum that reduces arrays to one number (`reduce_sum` or a
+        `dot_general` with a rank-0 result: a loss's mean, a dot product), whatever its
+        primitive's rule says; None: its primitive's rule. The cpu table sets `FP32`: torch's
+        CPU float32 list holds the losses (cross entropy, NLL, BCE, margin losses...) and
+        `dot`, `vdot` and `trace`, kernels that sum a batch to one number in float32, and in a
+        jaxpr each is a chain ending in such a sum.
     """
 
     device_type: str
     default_dtype: np.dtype
     rules: Mapping[str, Rule]
+    scalar_results: Rule | None = None
 
     def __post_init__(self):
         given = dict(self.rules)
@@ -127,11 +134,18 @@ class OpTable:
         object.__setattr__(self, "default_dtype",
                            canonical_floating_dtype(self.default_dtype, "default_dtype"))
         # Tables key caches of the autocast interpreter: hash once.
+        if self.scalar_results is not None:
+            object.__setattr__(self, "scalar_results",
+                               _check_rule("scalar_results", self.scalar_results))
         object.__setattr__(self, "_hash", hash((self.device_type, self.default_dtype, tuple(
-            sorted((k, str(v)) for k, v in checked.items())))))
+            sorted((k, str(v)) for k, v in checked.items())), str(self.scalar_results))))
 
-    def rule(self, primitive_name: str) -> Rule | None:
-        """The rule of a primitive, or None when it runs in its inputs' widest floating dtype."""
+    def rule(self, primitive_name: str, scalar_result: bool = False) -> Rule | None:
+        """The rule of a primitive, or None when it runs in its inputs' widest floating dtype.
+
+        `scalar_result`: the equation sums arrays to one number (see `scalar_results`)."""
+        if scalar_result and self.scalar_results is not None:
+            return self.scalar_results
         return self.rules.get(primitive_name)
 
     def updated(self, rules: Mapping[str, Rule]) -> "OpTable":
@@ -151,8 +165,8 @@ class OpTable:
 
     def __eq__(self, other):
         return self is other or isinstance(other, OpTable) and self._hash == other._hash and (
-            self.device_type, self.default_dtype, dict(self.rules)) == (
-            other.device_type, other.default_dtype, dict(other.rules))
+            self.device_type, self.default_dtype, dict(self.rules), self.scalar_results) == (
+            other.device_type, other.default_dtype, dict(other.rules), other.scalar_results)
 
 
 def _primitive_name(key) -> str:
@@ -190,15 +204,16 @@ def _check_rule(name: str, rule: Rule) -> Rule:
             "floating dtype.") from None
 
 
-def _table(device_type: str, dtype, fp32_ops, accumulate_ops=()) -> OpTable:
+def _table(device_type: str, dtype, fp32_ops, accumulate_ops=(), scalar_results=None
+           ) -> OpTable:
     rules = {**{name: LOWER for name in _LOWER_OPS}, **{name: FP32 for name in fp32_ops},
              **{name: ACCUMULATE_FP32 for name in accumulate_ops}}
-    return OpTable(device_type, np.dtype(dtype), rules)
+    return OpTable(device_type, np.dtype(dtype), rules, scalar_results)
 
 
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
     "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
-    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS),
+    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS, scalar_results=FP32),
     "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
 })
 

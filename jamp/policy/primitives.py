@@ -45,6 +45,9 @@ ASSEMBLES = frozenset({"concatenate", "stack"})
 SELECTIONS = frozenset({"select_n", "clamp", "max", "min"})
 # Reductions that shrink their operand, and those across devices (which keep its shape).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+# Primitives that add up products or elements: with a rank-0 result, a sum to one number
+# (`OpTable.scalar_results`).
+SUMS = frozenset({"reduce_sum", "dot_general"})
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 # What one torch kernel computes from its inputs, as a chain of primitives.

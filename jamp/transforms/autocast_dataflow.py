@@ -23,7 +23,7 @@ from collections import Counter
 from typing import Sequence
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER
-from jamp.policy.primitives import CALLS, CHAIN, ELEMENTWISE, REDUCTIONS
+from jamp.policy.primitives import CALLS, CHAIN, ELEMENTWISE, REDUCTIONS, SUMS
 from jamp.transforms import _jax_internals as jx
 from jamp.transforms.autocast_rules import Region, is_castable, is_floating
 
@@ -60,7 +60,7 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
         if not region.enabled or not any(_castable(v) for v in eqn.outvars):
             continue
         name = eqn.primitive.name
-        rule = region.table.rule(name)
+        rule = region.table.rule(name, sums_to_scalar(eqn))
         feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32) and (
             any(demanded(v) for v in eqn.outvars)
             or (name in ELEMENTWISE and any(_is_var(v) and v in float32_results
@@ -78,8 +78,14 @@ def _is_seed(eqn, region: Region) -> bool:
     in float32 throughout."""
     if not region.enabled:
         return False
-    rule = region.table.rule(eqn.primitive.name)
+    rule = region.table.rule(eqn.primitive.name, sums_to_scalar(eqn))
     return rule == FP32 or (rule == LOWER and jx.asks_full_precision(eqn.params))
+
+
+def sums_to_scalar(eqn) -> bool:
+    """A sum of arrays to one number: a loss's final mean, a dot product, a trace."""
+    return (eqn.primitive.name in SUMS and all(not v.aval.shape for v in eqn.outvars)
+            and any(_castable(v) and v.aval.shape for v in eqn.invars if _is_var(v)))
 
 
 def _statistics(jaxpr: jx.Jaxpr) -> frozenset:

@@ -108,7 +108,10 @@ def test_device_spellings(spelling, canonical):
 TORCH_CASES = {
     "mm": (lambda t, a: a @ a.T, lambda x: x @ x.T),
     "exp": (lambda t, a: t.exp(a @ a.T), lambda x: jnp.exp(x @ x.T)),
-    "sum": (lambda t, a: (a @ a.T).sum(), lambda x: jnp.sum(x @ x.T)),
+    "sum": (lambda t, a: (a @ a.T).sum(-1), lambda x: jnp.sum(x @ x.T, -1)),
+    "cross_entropy": (lambda t, a: t.nn.functional.cross_entropy(a @ a.T, t.tensor([0, 1, 2])),
+                      lambda x: -jnp.mean(jax.nn.log_softmax(x @ x.T)[jnp.arange(3),
+                                                                       jnp.arange(3)])),
     "prod": (lambda t, a: t.prod(a @ a.T), lambda x: jnp.prod(x @ x.T)),
     "cumprod": (lambda t, a: t.cumprod(a @ a.T, 0), lambda x: jnp.cumprod(x @ x.T, 0)),
     "add_f32": (lambda t, a: (a @ a.T) + a[:, :3], lambda x: (x @ x.T) + x[:, :3]),
@@ -168,3 +171,33 @@ def test_primitive_classes_name_only_primitives():
                   primitives.REDUCTIONS, primitives.COLLECTIVES, primitives.CUMULATIVE,
                   primitives.CALLS):
         assert primitives.unknown_names(sorted(group)) == []
+
+
+def test_cpu_table_sums_to_one_number_in_float32():
+    # torch's CPU float32 list holds the losses, which sum a batch to one number; in a jaxpr
+    # that sum is the float32 op. A bare `.sum()` of bfloat16 values, which torch returns in
+    # bfloat16, is the documented price (docs/autocast.md).
+    loss = jamp.autocast(lambda x: jnp.sum(jnp.log(jnp.abs(x @ x.T) + 1.0)), device_type="cpu",
+                         cast_outputs=False)
+    jaxpr = jax.make_jaxpr(loss)(X)
+    computed = {e.primitive.name: [v.aval.dtype for v in e.invars] for e in jaxpr.eqns}
+    assert loss(X).dtype == F32
+    assert computed["log"] == [F32] and computed["reduce_sum"] == [F32]
+    assert all(d == BF16 for d in computed["dot_general"])
+    kept_axis = jamp.autocast(lambda x: jnp.sum(x @ x.T, -1), device_type="cpu",
+                              cast_outputs=False)
+    assert kept_axis(X).dtype == BF16
+    assert autocast_table("cpu").scalar_results == FP32
+    assert autocast_table("cuda").scalar_results is None
+
+
+def test_scalar_results_is_part_of_the_table():
+    cpu = autocast_table("cpu")
+    assert cpu.updated({"exp": FP32}).scalar_results == FP32  # kept by updated and without
+    assert cpu.without("exp").scalar_results == FP32
+    plain = OpTable("cpu", "bfloat16", dict(cpu.rules))
+    assert plain != cpu and hash(plain) != hash(cpu)
+    assert plain.rule("reduce_sum", scalar_result=True) == cpu.rule("reduce_sum")
+    assert cpu.rule("reduce_sum", scalar_result=True) == FP32
+    with pytest.raises(ValueError, match="scalar_results"):
+        OpTable("cpu", "bfloat16", {}, scalar_results="fastest")

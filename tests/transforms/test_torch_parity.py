@@ -18,14 +18,14 @@ import torch_parity
 pytest.importorskip("torch")
 
 # Measured agreement on the cpu table; the target is 0.95 (see docs/autocast.md for
-# what stands between: mostly torch's CPU float32 list naming losses and pools that JAX builds
-# from ops torch leaves in bfloat16).
-CPU_FLOOR = 0.87
+# what stands between: pools, pads, norms and recurrent cells torch's CPU kernels treat by
+# name, which JAX builds from primitives torch leaves in bfloat16).
+CPU_FLOOR = 0.89
 
 CPU_DEVIATIONS = {
     # Lower-list kernels whose JAX form is a matmul plus a full-size tensor or no matmul.
     "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
-    "addmv[float32]", "prelu[float32]", "prelu[mixed]",
+    "prelu[float32]", "prelu[mixed]",
     # Recurrent layers and cells: scan carries keep their type; torch's CPU cells are unlisted.
     "mkldnn_rnn_layer[float32]", "mkldnn_rnn_layer[mixed]",
     "LSTMCell[float32]", "LSTMCell[mixed]", "GRUCell[float32]", "GRUCell[mixed]",
@@ -33,15 +33,13 @@ CPU_DEVIATIONS = {
     "avg_pool3d[mixed]", "max_pool3d[mixed]", "adaptive_avg_pool3d[mixed]",
     "adaptive_max_pool3d[mixed]", "reflection_pad1d[mixed]", "reflection_pad2d[mixed]",
     "replication_pad1d[mixed]", "replication_pad2d[mixed]", "replication_pad3d[mixed]",
-    "quantile[mixed]", "nanquantile[mixed]", "trace[mixed]", "ormqr[mixed]",
-    # torch's CPU float32 list: losses built from ops the CPU list leaves in bfloat16.
-    "binary_cross_entropy[mixed]", "binary_cross_entropy_with_logits[mixed]",
-    "cross_entropy_loss[mixed]", "nll_loss[mixed]", "nll_loss2d[mixed]",
-    "poisson_nll_loss[mixed]", "cosine_embedding_loss[mixed]", "hinge_embedding_loss[mixed]",
-    "multi_margin_loss[mixed]", "multilabel_margin_loss[mixed]",
+    "quantile[mixed]", "nanquantile[mixed]", "ormqr[mixed]",
+    # Sums to one number compute in float32 (torch's losses); torch's norm and dot are unlisted.
+    "norm[mixed]", "dot[mixed]", "vdot[mixed]",
+    # optax's CTC alignment is one-hot matmuls, which lower.
     "ctc_loss[float32]", "ctc_loss[mixed]",
-    # Matrix-vector and vector products are dot_general like any matmul.
-    "mv[float32]", "dot[float32]", "vdot[float32]", "bilinear[float32]",
+    # Matrix-vector products are dot_general like any matmul.
+    "mv[float32]", "addmv[float32]", "bilinear[float32]",
     # Normalizations compute in float32 and return float32 (rsqrt is float32 on this table).
     "rsqrt[mixed]", "layer_norm[mixed]", "group_norm[mixed]", "batch_norm[mixed]",
     "batch_norm_train[mixed]", "rms_norm[mixed]", "cosine_similarity[mixed]",
