@@ -266,7 +266,7 @@ def amp_report(fn: Callable, *args: Any, **kwargs: Any) -> AmpReport:
       >>> report.flops == {"bfloat16": 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4}
       True
       >>> [(c.source, c.target, c.count) for c in report.converts]
-      [('float32', 'bfloat16', 4), ('bfloat16', 'float32', 2)]
+      [('float32', 'bfloat16', 3), ('bfloat16', 'float32', 1)]
     """
     if not callable(fn):
         raise TypeError(f"amp_report's first argument must be a function to report on; got "
