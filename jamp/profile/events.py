@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any, Iterable, Sequence
 
 from jamp import _checks
@@ -87,13 +88,28 @@ class FunctionEvent:
 
     @property
     def self_cpu_time_total(self) -> float:
+        """Its CPU time that no child covers. Children on other threads (a range's program
+        runs, a run's ops) may overlap each other or outlast the event: only the part of its
+        own time they cover is taken off, so self time is never negative."""
         if self.is_device:
             return 0.0
-        return self.cpu_time_total - sum(c.cpu_time_total for c in self.children)
+        return self.cpu_time_total - _covered(
+            self.start_us, self.end_us, [c for c in self.children if not c.is_device])
 
     @property
     def self_device_time_total(self) -> float:
         return self.duration_us if self.is_device else 0.0
+
+    # torch's per-call columns: one event is one call.
+    count = 1
+
+    @property
+    def cpu_time(self) -> float:
+        return self.cpu_time_total
+
+    @property
+    def device_time(self) -> float:
+        return self.device_time_total
 
     @property
     def self_cpu_memory_usage(self) -> int:
@@ -103,9 +119,19 @@ class FunctionEvent:
     def self_device_memory_usage(self) -> int:
         return self.device_memory_usage - sum(c.device_memory_usage for c in self.children)
 
-    # torch's older names for the device columns.
-    cuda_time_total = device_time_total
-    self_cuda_time_total = self_device_time_total
+    # torch's older names for the device columns; read through the new names, so that a
+    # subclass's own times (a label inside jit) hold for both.
+    @property
+    def cuda_time(self) -> float:
+        return self.device_time
+
+    @property
+    def cuda_time_total(self) -> float:
+        return self.device_time_total
+
+    @property
+    def self_cuda_time_total(self) -> float:
+        return self.self_device_time_total
 
     @property
     def cuda_memory_usage(self) -> int:
@@ -114,6 +140,23 @@ class FunctionEvent:
     @property
     def self_cuda_memory_usage(self) -> int:
         return self.self_device_memory_usage
+
+
+def _covered(start: float, end: float, children: Sequence[FunctionEvent]) -> float:
+    """How much of [start, end] the children's intervals cover together."""
+    total, reached = 0.0, start
+    for child in sorted(children, key=lambda c: c.start_us):
+        low, high = max(child.start_us, reached), min(child.end_us, end)
+        if high > low:
+            total += high - low
+            reached = high
+    return total
+
+
+# What an average sums of its events.
+_SUMMED = ("cpu_time_total", "self_cpu_time_total", "device_time_total", "self_device_time_total",
+           "cpu_memory_usage", "self_cpu_memory_usage", "device_memory_usage",
+           "self_device_memory_usage", "flops")
 
 
 @dataclasses.dataclass
@@ -141,25 +184,26 @@ class FunctionEventAvg:
     module_hierarchy: str = ""
     kind: str = ""
     device_type: str = CPU
+    # The first event's parent, as torch's `cpu_parent`: `table(top_level_events_only=True)`
+    # keeps the keys whose events are not inside another.
+    parent: Any = dataclasses.field(default=None, repr=False)
     _device_count: int = 0
 
-    def add(self, event: FunctionEvent) -> "FunctionEventAvg":
-        """Adds one event (torch's `add`); device events count as calls only where a key has no
-        CPU event (a kernel is the device side of a launch already counted)."""
-        if event.is_device:
+    def add(self, event: "FunctionEvent | FunctionEventAvg") -> "FunctionEventAvg":
+        """Adds one event, or another average (torch's `add`); device events count as calls
+        only where a key has no CPU event (a kernel is the device side of a launch already
+        counted)."""
+        if isinstance(event, FunctionEventAvg):
+            self.count += event.count
+            self._device_count += event._device_count
+        elif event.is_device:
             self._device_count += 1
-            self.device_type = event.device_type
         else:
             self.count += 1
-        self.cpu_time_total += event.cpu_time_total
-        self.self_cpu_time_total += event.self_cpu_time_total
-        self.device_time_total += event.device_time_total
-        self.self_device_time_total += event.self_device_time_total
-        self.cpu_memory_usage += event.cpu_memory_usage
-        self.self_cpu_memory_usage += event.self_cpu_memory_usage
-        self.device_memory_usage += event.device_memory_usage
-        self.self_device_memory_usage += event.self_device_memory_usage
-        self.flops += event.flops
+        if event.device_type != CPU:
+            self.device_type = event.device_type
+        for field in _SUMMED:
+            setattr(self, field, getattr(self, field) + getattr(event, field))
         if not self.stack:
             self.stack = event.stack
         if not self.module_hierarchy:
@@ -233,7 +277,8 @@ class EventList(list):
                 key.append(tuple(event.stack[:group_by_stack_n]))
             average = averages.get(tuple(key))
             if average is None:
-                average = averages[tuple(key)] = FunctionEventAvg(key=event.key)
+                average = averages[tuple(key)] = FunctionEventAvg(key=event.key,
+                                                                  parent=event.parent)
                 if group_by_input_shape:
                     average.input_shapes = event.input_shapes
                     average.input_dtypes = event.input_dtypes
@@ -246,10 +291,7 @@ class EventList(list):
         """All events summed under the key "Total"."""
         total = FunctionEventAvg(key="Total")
         for event in self:
-            if isinstance(event, FunctionEvent):
-                total.add(event)
-            else:
-                _add_average(total, event)
+            total.add(event)
         return total
 
     def table(self, sort_by: str | None = None, row_limit: int = 100,
@@ -257,16 +299,32 @@ class EventList(list):
               max_shapes_column_width: int = 80, header: str | None = None,
               top_level_events_only: bool = False, time_unit: str | None = None) -> str:
         """torch's profiler table: one row per event (or per key after `key_averages()`),
-        sorted by `sort_by` (descending), at most `row_limit` rows (-1: all)."""
+        sorted by `sort_by` (descending), at most `row_limit` rows (-1: all); "" when there
+        are no events. The `max_*_column_width`s may be None: as wide as the widest entry."""
         if sort_by is not None and sort_by not in SORT_KEYS:
             raise ValueError(f"sort_by={sort_by!r} is not a column; accepted: "
                              f"{', '.join(SORT_KEYS)}")
         if time_unit is not None and time_unit not in ("s", "ms", "us"):
             raise ValueError(f"time_unit={time_unit!r}; accepted: 's', 'ms', 'us'")
+        if row_limit is not None and (isinstance(row_limit, bool)
+                                      or not isinstance(row_limit, numbers.Integral)):
+            raise TypeError(f"row_limit must be an int (-1: every row), got "
+                            f"row_limit={row_limit!r}")
+        widths = dict(max_src_column_width=max_src_column_width,
+                      max_name_column_width=max_name_column_width,
+                      max_shapes_column_width=max_shapes_column_width)
+        for name, value in widths.items():
+            if value is not None:
+                _checks.check_count(name, value, minimum=1)
+        if header is not None and not isinstance(header, str):
+            raise TypeError(f"header must be a str or None, got header={header!r}")
+        _checks.check_bool("top_level_events_only", top_level_events_only)
+        if not self:
+            return ""
         from jamp.profile import table as table_module
         events = list(self)
         if top_level_events_only:
-            events = [e for e in events if getattr(e, "parent", None) is None]
+            events = [e for e in events if e.parent is None]
         if sort_by is not None:
             events.sort(key=lambda e: getattr(e, sort_by), reverse=True)
         if row_limit is not None and row_limit >= 0:
@@ -275,8 +333,8 @@ class EventList(list):
             events, all_events=list(self), device_name=self._device_name,
             with_flops=self._with_flops, profile_memory=self._profile_memory,
             with_stack=self._with_stack, header=header, time_unit=time_unit,
-            name_width=max_name_column_width, src_width=max_src_column_width,
-            shapes_width=max_shapes_column_width)
+            top_level_events_only=top_level_events_only, name_width=max_name_column_width,
+            src_width=max_src_column_width, shapes_width=max_shapes_column_width)
 
     def __str__(self) -> str:
         return self.table()
@@ -303,13 +361,6 @@ class EventList(list):
                 lines.append(f"{frames};{event.key} {int(value)}")
         with open(path, "w") as file:
             file.write("\n".join(lines) + ("\n" if lines else ""))
-
-
-def _add_average(total: FunctionEventAvg, other: FunctionEventAvg) -> None:
-    for field in ("count", "cpu_time_total", "self_cpu_time_total", "device_time_total",
-                  "self_device_time_total", "cpu_memory_usage", "self_cpu_memory_usage",
-                  "device_memory_usage", "self_device_memory_usage", "flops", "_device_count"):
-        setattr(total, field, getattr(total, field) + getattr(other, field))
 
 
 def chrome_events(events: Sequence[FunctionEvent]) -> list[dict]:

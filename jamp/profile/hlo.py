@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from jamp.profile import scopes
 from jamp.transforms import _jax_internals as jx
 
 # HLO element types by their text names; `pred` is a bool, the rest are numeric.
@@ -29,27 +30,34 @@ _DTYPE_NAMES = {
     "c64": "complex64", "c128": "complex128", "f8e4m3fn": "float8_e4m3fn",
     "f8e5m2": "float8_e5m2", "f8e4m3fnuz": "float8_e4m3fnuz", "f8e5m2fnuz": "float8_e5m2fnuz",
     "f8e4m3b11fnuz": "float8_e4m3b11fnuz", "f8e4m3": "float8_e4m3", "f8e3m4": "float8_e3m4",
+    "f8e8m0fnu": "float8_e8m0fnu", "f4e2m1fn": "float4_e2m1fn", "s2": "int2", "u2": "uint2",
 }
-_BITS = {"bool": 8, "int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "uint16": 16,
-         "int32": 32, "uint32": 32, "int64": 64, "uint64": 64, "float16": 16, "bfloat16": 16,
-         "float32": 32, "float64": 64, "complex64": 64, "complex128": 128}
+_BITS = {"bool": 8, "int2": 2, "uint2": 2, "int4": 4, "uint4": 4, "int8": 8, "uint8": 8,
+         "int16": 16, "uint16": 16, "int32": 32, "uint32": 32, "int64": 64, "uint64": 64,
+         "float16": 16, "bfloat16": 16, "float32": 32, "float64": 64, "complex64": 64,
+         "complex128": 128, "float4_e2m1fn": 4,
+         **{name: 8 for name in _DTYPE_NAMES.values() if name.startswith("float8")}}
 
-_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# An array type: `f32[16,128]`; a dynamic dimension prints with its bound (`<=16`), an
+# unbounded one as `?`.
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,<=?]*)\]")
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
-_OPERAND_RE = re.compile(r"%([^\s,()]+)")
 _DIMS_RE = r"{key}=\{{([0-9,]*)\}}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrayType:
-    """One array in an HLO shape: its dtype name (numpy's spelling) and dimensions."""
+    """One array in an HLO shape: its dtype name (numpy's spelling) and dimensions (a dynamic
+    dimension at its bound, an unbounded one -1)."""
 
     dtype: str
     shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
+        if any(d < 0 for d in self.shape):
+            return 0  # unbounded: not known before it runs
         return math.prod(self.shape) * _BITS.get(self.dtype, 0) // 8
 
 
@@ -65,7 +73,8 @@ class Instruction:
     computation: str
     operand_types: tuple[ArrayType, ...] = ()
     flops: int = 0
-    scope: str = ""
+    scope: str = ""  # every named scope of the op (`step/Model/Dense_0`)
+    module_hierarchy: str = ""  # the module scopes among them (`Model/Dense_0`)
     stack: tuple[str, ...] = ()
 
     @property
@@ -88,8 +97,32 @@ def parse_types(text: str) -> tuple[ArrayType, ...]:
         dtype = _DTYPE_NAMES.get(kind)
         if dtype is None:  # token[], opaque types: no data
             continue
-        found.append(ArrayType(dtype, tuple(int(d) for d in dims.split(",") if d)))
+        found.append(ArrayType(dtype, tuple(-1 if d == "?" else int(d.lstrip("<="))
+                                            for d in dims.split(",") if d)))
     return tuple(found)
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets: `f32[2,3]{1,0} %a, %b` -> two operands."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [part.strip() for part in parts if part.strip()]
+
+
+def _operand_names(text: str) -> tuple[str, ...]:
+    """The instruction names among an operand list. XLA prints an operand as `%name`, `name`
+    or with its type first (`f32[2]{0} %name`), long lists with `/*index=5*/` comments; the
+    name is the last word either way."""
+    text = re.sub(r"/\*.*?\*/", " ", text)
+    return tuple(part.split()[-1].lstrip("%") for part in _split_top_level(text))
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
@@ -128,29 +161,43 @@ def _number(attributes: str, key: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _backend_config(attributes: str) -> dict:
+    """An instruction's backend config: JSON printed bare (`backend_config={...}`), or as a
+    quoted string by older XLA; other attributes may follow it."""
+    quoted = _quoted(attributes, "backend_config")
+    text = quoted.encode().decode("unicode_escape") if quoted is not None else None
+    if text is None:
+        start = attributes.find("backend_config={")
+        text = attributes[start + len("backend_config="):] if start >= 0 else ""
+    try:
+        config, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _gemm_dimensions(attributes: str) -> dict | None:
     """The dot dimension numbers of a GPU library matmul (cuBLAS/hipBLAS custom calls keep them
     in their backend config)."""
-    match = re.search(r"backend_config=(\{.*\})", attributes)
-    if not match:
-        return None
-    try:
-        config = json.loads(match.group(1))
-    except ValueError:
-        return None
-    gemm = config.get("gemm_backend_config") or {}
+    gemm = _backend_config(attributes).get("gemm_backend_config") or {}
     return gemm.get("dot_dimension_numbers")
 
 
 def _dot_flops(lhs: ArrayType, result: ArrayType, contracting: Sequence[int]) -> int:
+    if any(d < 0 for d in lhs.shape + result.shape) or any(d >= len(lhs.shape)
+                                                            for d in contracting):
+        return 0  # an unbounded dimension, or dimension numbers we misread: not counted
     return 2 * math.prod(result.shape) * math.prod(lhs.shape[d] for d in contracting)
 
 
 def _convolution_flops(kernel: ArrayType, result: ArrayType, attributes: str) -> int:
     # Each output element is a dot over the kernel window and the input features of its group:
     # the kernel's size without its output-feature dimension.
+    if any(d < 0 for d in kernel.shape + result.shape):
+        return 0
     labels = re.search(r"dim_labels=[^_]+_([^-]+)->", attributes)
-    out_features = kernel.shape[labels.group(1).index("o")] if labels else 1
+    out = labels.group(1).find("o") if labels else -1
+    out_features = kernel.shape[out] if 0 <= out < len(kernel.shape) else 1
     window = math.prod(kernel.shape) // max(out_features, 1)
     return 2 * math.prod(result.shape) * window
 
@@ -177,19 +224,36 @@ def _own_flops(instruction: Instruction, types: dict[str, tuple[ArrayType, ...]]
     return 0
 
 
-def module_path(op_name: str) -> str:
-    """The scope path of an HLO op_name (`jit(step)/jvp(Model)/Dense_0/dot_general`): the
-    named scopes between the program and the primitive (`Model/Dense_0`), transformations
-    unwrapped and autocast's region markers left out."""
-    from jamp.transforms.autocast_rules import MARKER_PREFIX
-    parts = op_name.split("/")[1:-1]  # the program (`jit(step)`) and the primitive
+# What JAX writes into an op's name besides the user's named scopes
+# (`jit(step)/transpose(jvp(Model))/while/body/closed_call/Dense_0/dot_general`): the program
+# and nested jitted calls (`jit(f)`), the transformations wrapped around a scope
+# (`jvp(Model)`), the primitives whose body XLA inlined (`closed_call`, `checkpoint`,
+# `shard_map`) and the regions of control flow (`while/body`, `cond/branch_1_fun`): names
+# from JAX's lowering rules (pjit, lax.control_flow, ad_checkpoint, shard_map).
+_CALL = re.compile(r"(?:jit|pjit|pmap|xla_pmap)\(.*\)")
+_TRANSFORM = re.compile(r"(?:jvp|transpose|vmap)\((.*)\)")
+_INLINED = frozenset({"closed_call", "checkpoint", "rematted_computation", "shard_map"})
+_REGIONS = {"while": re.compile(r"body|cond|body_pred"), "cond": re.compile(r"branch_\d+_fun")}
+
+
+def scope_names(op_name: str) -> tuple[str, ...]:
+    """The named scopes in an HLO op_name, outermost first: the user's `jax.named_scope`s,
+    Flax linen's module scopes, the labels of `record_function`; JAX's own names left out."""
+    parts = op_name.split("/")[:-1]  # the last is the primitive
     names = []
-    for part in parts:
-        while re.fullmatch(r"[\w\-]+\(.*\)", part):  # `transpose(jvp(Model))` -> `Model`
-            part = part[part.index("(") + 1:-1]
-        if part and not part.startswith(MARKER_PREFIX):
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        while match := _TRANSFORM.fullmatch(part):  # `transpose(jvp(Model))` -> `Model`
+            part = match.group(1)
+        region = _REGIONS.get(part)
+        if region is not None and i + 1 < len(parts) and region.fullmatch(parts[i + 1]):
+            i += 2
+            continue
+        if part and part not in _INLINED and not _CALL.fullmatch(part):
             names.append(part)
-    return "/".join(names)
+        i += 1
+    return tuple(names)
 
 
 class _StackFrames:
@@ -273,10 +337,11 @@ def parse_module(text: str, name: str = "") -> Program:
         operands_text, attributes = tail[:close - 1], tail[close:]
         instruction = Instruction(
             name=match.group("name").lstrip("%"), opcode=opcode.strip(),
-            results=parse_types(shape), operands=tuple(_OPERAND_RE.findall(operands_text)),
+            results=parse_types(shape), operands=_operand_names(operands_text),
             attributes=attributes, computation=computation)
-        op_name = _quoted(attributes, "op_name") or ""
-        instruction.scope = module_path(op_name)
+        names = scope_names(_quoted(attributes, "op_name") or "")
+        instruction.scope = "/".join(names)
+        instruction.module_hierarchy = "/".join(scopes.module_path((), names))
         instruction.stack = frames.stack(attributes)
         instructions[instruction.name] = instruction
     types = {i.name: i.results for i in instructions.values()}

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from jamp import _checks
 from jamp.profile import trace
@@ -32,8 +33,38 @@ _SCOPE_LABELS: set[str] = set()
 _ACTIVE = threading.Lock()
 
 
+def _jamp_profile_barrier(x):
+    return x + 1
+
+
+# The profiler's own program (see `_wait_for_dispatched_work`); a profile leaves its ops out.
+_BARRIER = jax.jit(_jamp_profile_barrier)
+_BARRIER_MODULE = "jit__jamp_profile_barrier"
+
+
+def _wait_for_dispatched_work() -> None:
+    """Blocks until every program dispatched so far has run, so that a profile holds the
+    work of its block, however it was dispatched. `jax.effects_barrier` waits only for side
+    effects, and results nobody keeps cannot be blocked on; but a device runs its programs
+    in the order they were dispatched, so a tiny one on each device ends after all of them."""
+    if jx.staging():  # a profile opened inside jax.jit: nothing runs there
+        return
+    jax.effects_barrier()
+    # A context mesh would refuse a one-device program; JAX lets it be unset only outside
+    # transformations (inside an eager jax.grad, say). Under `jax.disable_jit` the barrier
+    # would run as eager ops the profile could not tell from the user's.
+    no_mesh = contextlib.nullcontext() if jx.tracing() else jax.set_mesh(None)
+    with no_mesh, jax.disable_jit(False):
+        done = [_BARRIER(jax.device_put(np.int32(0), device))
+                for device in jax.local_devices()]
+    jax.block_until_ready(done)
+
+
 class profile:
     """Records what runs in its block with JAX's profiler; torch's `profile`.
+
+    The block's work is in the profile whether or not it blocked on its results: entering
+    waits for the work dispatched before (which stays out), leaving waits for the block's.
 
     Args:
       enabled: False makes the block run unprofiled: no trace, no cost.
@@ -97,6 +128,11 @@ class profile:
         if not _ACTIVE.acquire(blocking=False):
             raise RuntimeError("Another jamp profile is running; JAX records one trace at "
                                "a time, so profiles cannot be nested.")
+        try:
+            _wait_for_dispatched_work()  # what ran before the block stays out of it
+        except BaseException:
+            _ACTIVE.release()
+            raise
         self._directory = tempfile.mkdtemp(prefix="jamp-profile-")
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0  # Python function events would swamp the host line
@@ -115,11 +151,16 @@ class profile:
             return
         self._running = False
         try:
-            jax.effects_barrier()  # what was dispatched in the block finishes in the trace
-            jax.profiler.stop_trace()
+            try:
+                _wait_for_dispatched_work()  # what the block dispatched runs in the trace
+            finally:  # the trace stops even if waiting failed
+                jax.profiler.stop_trace()
             paths = glob.glob(os.path.join(self._directory, "**", "*.xplane.pb"),
                               recursive=True)
             data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+        except BaseException:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            raise
         finally:
             _ACTIVE.release()
         try:
@@ -127,7 +168,8 @@ class profile:
                 self.function_events = EventList()
             else:
                 self.function_events, self.device_name = trace.read_events(
-                    data, self.options, _HOST_LABELS, _SCOPE_LABELS, _gpu_kind())
+                    data, self.options, _HOST_LABELS, _SCOPE_LABELS, _gpu_kind(),
+                    hidden_modules={_BARRIER_MODULE})
         finally:
             shutil.rmtree(self._directory, ignore_errors=True)
 
@@ -180,24 +222,29 @@ def _gpu_kind() -> str:
 
 
 class _LabelledRange(contextlib.ContextDecorator):
-    """A labelled range that works wherever it is used: around host code it is a trace
-    annotation (`jax.profiler.TraceAnnotation`); in code being traced (inside `jax.jit`) it is
-    a `jax.named_scope`, so every op it encloses carries the label into the compiled program
-    and the trace. A profile shows both kinds as rows named by the label."""
+    """A labelled range that works wherever it is used: around code that runs (eager code,
+    eager `jax.grad`) it is a trace annotation (`jax.profiler.TraceAnnotation`); in code being
+    staged into a program (inside `jax.jit`) it is a `jax.named_scope`, so every op it
+    encloses carries the label into the compiled program and the trace. A profile shows both
+    kinds as rows named by the label. `args` goes with the annotation into JAX's trace."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, args: str | None = None):
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got name={name!r}")
+        if args is not None and not isinstance(args, str):
+            raise TypeError(f"args must be a str or None, got args={args!r}")
         self.name = name
+        self.args = args
         self._contexts: list = []
 
     def __enter__(self):
-        if jx.tracing():
+        if jx.staging():
             _SCOPE_LABELS.add(self.name)
             context = jax.named_scope(self.name)
         else:
             _HOST_LABELS.add(self.name)
-            context = jax.profiler.TraceAnnotation(self.name)
+            extra = {} if self.args is None else {"args": self.args}
+            context = jax.profiler.TraceAnnotation(self.name, **extra)
         context.__enter__()
         self._contexts.append(context)
         return self
@@ -209,6 +256,8 @@ class _LabelledRange(contextlib.ContextDecorator):
 class record_function(_LabelledRange):
     """A user-labelled range, a row of its own in `key_averages()` (torch's
     `record_function`); a context manager or a decorator, inside or outside `jax.jit`.
+    The row is keyed by `name` alone, as torch's; `args` (a str) is recorded with the range
+    in JAX's own trace (TensorBoard, Perfetto), outside `jax.jit`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -221,7 +270,7 @@ class record_function(_LabelledRange):
     """
 
     def __init__(self, name: str, args: str | None = None):
-        super().__init__(name if args is None else f"{name}, args = {args}")
+        super().__init__(name, args)
 
 
 class _EmitRanges(contextlib.ContextDecorator):
@@ -269,8 +318,12 @@ class _EmitRanges(contextlib.ContextDecorator):
 
 
 def _sizes(args) -> str:
-    """torch's `sizes = [[2, 3], []]`: each positional argument's shape; [] for non-arrays."""
-    return str([list(a.shape) if hasattr(a, "shape") else [] for a in args])
+    """torch's `sizes = [[2, 3], []]`: each positional argument's shape; [] for non-arrays
+    (and for objects whose `shape` is not a tuple of sizes)."""
+    def size(value) -> list:
+        shape = getattr(value, "shape", None)
+        return list(shape) if isinstance(shape, tuple) else []
+    return str([size(a) for a in args])
 
 
 class emit_nvtx(_EmitRanges):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 _COLUMN = 12
-_SHAPES = 80
 _SPACING = 2
 _FLOPS_UNITS = ("FLOPs", "KFLOPs", "MFLOPs", "GFLOPs", "TFLOPs", "PFLOPs")
 
@@ -53,14 +52,25 @@ def _calls(event) -> int:
     return getattr(event, "calls", 1)
 
 
+def _fit(widest: int, limit: int | None) -> int:
+    return widest if limit is None else min(widest, limit)
+
+
 def format_table(events, *, all_events, device_name, with_flops, profile_memory, with_stack,
-                 header, time_unit, name_width, src_width, shapes_width) -> str:
+                 header, time_unit, top_level_events_only, name_width, src_width,
+                 shapes_width) -> str:
+    """`events` as table rows; columns, widths and percentages are `all_events`' (the whole
+    list, whatever `row_limit` and `top_level_events_only` left out), as torch's are."""
     has_device = any(e.device_time_total for e in all_events)
     device = (device_name or "device").upper()
-    has_shapes = any(getattr(e, "input_shapes", None) for e in events)
-    stacks = with_stack and any(e.stack for e in events)
-    flops = [e.flops for e in events if e.flops > 0] if with_flops else []
-    width = min(max([len(e.key) for e in events] + [4]) + 4, name_width)
+    has_shapes = any(getattr(e, "input_shapes", None) for e in all_events)
+    stacks = with_stack and any(e.stack for e in all_events)
+    flops = [e.flops for e in all_events if e.flops > 0] if with_flops else []
+    width = _fit(max(len(e.key) for e in all_events) + 4, name_width)
+    shapes_width = _fit(max(len(str(getattr(e, "input_shapes", None) or []))
+                            for e in all_events) + 4, shapes_width)
+    src_width = _fit(max((len(f) for e in all_events for f in e.stack), default=0) + 4,
+                     src_width)
 
     headers = ["Name", "Self CPU %", "Self CPU", "CPU total %", "CPU total", "CPU time avg"]
     if has_device:
@@ -75,7 +85,7 @@ def format_table(events, *, all_events, device_name, with_flops, profile_memory,
     aligns = [">"] * len(headers)
     if has_shapes:
         headers.append("Input Shapes")
-        widths.append(min(shapes_width, _SHAPES) if shapes_width else _SHAPES)
+        widths.append(shapes_width)
         aligns.append(">")
     if stacks:
         headers.append("Source Location")
@@ -97,6 +107,8 @@ def format_table(events, *, all_events, device_name, with_flops, profile_memory,
     lines = []
     if header is not None:
         lines += ["=" * len(separator.rstrip()), header]
+    if top_level_events_only:
+        lines += ["=" * len(separator.rstrip()), "This report only displays top-level events"]
     lines += [separator, row(headers), separator]
     for event in events:
         name = event.key if len(event.key) <= width else event.key[:width - 3] + "..."

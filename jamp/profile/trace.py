@@ -49,10 +49,13 @@ class _Raw:
 
 
 def read_events(data, options: Options, host_labels: Iterable[str],
-                scope_labels: Iterable[str], device_type_of_gpu: str = "cuda"
-                ) -> tuple[EventList, str | None]:
-    """The events of a `jax.profiler.ProfileData` and the name of the device it saw, if any."""
-    raw = list(_raw_events(data, device_type_of_gpu))
+                scope_labels: Iterable[str], device_type_of_gpu: str = "cuda",
+                hidden_modules: Iterable[str] = ()) -> tuple[EventList, str | None]:
+    """The events of a `jax.profiler.ProfileData` and the name of the device it saw, if any.
+    The ops of `hidden_modules` (the profiler's own programs) are left out."""
+    hidden_modules = set(hidden_modules)
+    raw = [r for r in _raw_events(data, device_type_of_gpu)
+           if str(r.stats.get("hlo_module", "")) not in hidden_modules]
     if not raw:
         return EventList(), None
     origin = min(r.start_ns for r in raw)
@@ -120,9 +123,9 @@ def read_events(data, options: Options, host_labels: Iterable[str],
         events.extend(_scope_ranges(label, ops, len(events)))
     if not options.use_cpu:
         events = [e for e in events if e.is_device]
+    events.sort(key=lambda e: (e.start_us, -e.end_us))
     for index, event in enumerate(events):
         event.id = index
-    events.sort(key=lambda e: (e.start_us, -e.end_us))
     return EventList(events, device_name=device_name, with_flops=options.with_flops,
                      profile_memory=options.profile_memory,
                      with_stack=options.with_stack), device_name
@@ -167,7 +170,7 @@ def _describe(event: FunctionEvent, instruction: hlo.Instruction | None,
     if options.with_stack:
         event.stack = instruction.stack
     if options.with_modules:
-        event.module_hierarchy = instruction.scope
+        event.module_hierarchy = instruction.module_hierarchy
     if options.profile_memory:
         if event.is_device:
             event.device_memory_usage = instruction.output_bytes
@@ -203,12 +206,21 @@ def _nest_on_threads(events: list[FunctionEvent]) -> None:
 
 def _scope_ranges(label: str, ops: list[FunctionEvent], first_id: int) -> list[FunctionEvent]:
     """A label opened inside jitted code, once per program run: the ops that ran under it
-    (its name is a component of their scope path). Its CPU and device times are theirs."""
+    (its name is a run of components of their scope path; a label may hold a "/"). Its CPU
+    and device times are theirs."""
+    under = {id(op) for op in ops if f"/{label}/" in f"/{op.scope}/"}
+
+    def counted_by_an_enclosing_op(op) -> bool:  # a while loop's body ops, under the label
+        parent = op.parent
+        while parent is not None and parent.kind == "op":
+            if id(parent) in under:
+                return True
+            parent = parent.parent
+        return False
+
     runs: dict[tuple, list[FunctionEvent]] = {}
     for op in ops:
-        if op.parent is not None and op.parent.kind == "op":
-            continue  # counted with the op that encloses it
-        if label in op.scope.split("/"):
+        if id(op) in under and not counted_by_an_enclosing_op(op):
             runs.setdefault(op.program, []).append(op)
     found = []
     for members in runs.values():
@@ -216,8 +228,16 @@ def _scope_ranges(label: str, ops: list[FunctionEvent], first_id: int) -> list[F
                             thread="named scopes", start_us=min(e.start_us for e in members),
                             end_us=max(e.end_us for e in members))
         event.members = members
+        # Inside its program run (not among the run's children: its ops are already there).
+        event.parent = _enclosing_run(members[0])
         found.append(event)
     return found
+
+
+def _enclosing_run(op: FunctionEvent) -> FunctionEvent | None:
+    while op is not None and op.kind != "program":
+        op = op.parent
+    return op
 
 
 @dataclasses.dataclass

@@ -445,6 +445,21 @@ def tracing() -> bool:
     return not _core.trace_state_clean()
 
 
+def staging() -> bool:
+    """True while the code running is being staged into a program (`jax.jit`, a `lax.scan`
+    body, `jax.checkpoint`), under whatever transformations; False while it runs eagerly,
+    transformed or not (an eager `jax.grad` or `jax.vmap` dispatches each primitive as it
+    goes). Not public: the trace stack and `DynamicJaxprTrace`."""
+    from jax._src import core as _core
+    from jax._src.interpreters import partial_eval as _pe
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 class JVPLevel:
     """A forward-mode differentiation level that stays open between `open()` and `close()`:
     torch's dual level. While it is open every primitive is bound through a `JVPTrace` (the
@@ -521,7 +536,9 @@ def live_executables() -> list[Any]:
     from jax._src import stages as _stages
     found = []
     for obj in gc.get_objects():
-        if isinstance(obj, _stages.Executable):
+        # type(), not isinstance: some objects (lazy modules) answer `__class__` with a
+        # deprecation warning or an import.
+        if issubclass(type(obj), _stages.Executable):
             try:
                 runtime = obj.runtime_executable()
             except Exception:  # an executable kind without a runtime one (e.g. a fallback)
