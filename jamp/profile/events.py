@@ -25,8 +25,33 @@ SORT_KEYS = ("cpu_time", "cuda_time", "device_time", "cpu_time_total", "cuda_tim
 STACK_METRICS = ("self_cpu_time_total", "self_cuda_time_total", "self_device_time_total")
 
 
+class _DeviceAliases:
+    """torch's older names for the device columns (`cuda_*`), read through the new ones, so
+    that a subclass's own times (a label inside jit) hold for both."""
+
+    @property
+    def cuda_time(self) -> float:
+        return self.device_time
+
+    @property
+    def cuda_time_total(self) -> float:
+        return self.device_time_total
+
+    @property
+    def self_cuda_time_total(self) -> float:
+        return self.self_device_time_total
+
+    @property
+    def cuda_memory_usage(self) -> int:
+        return self.device_memory_usage
+
+    @property
+    def self_cuda_memory_usage(self) -> int:
+        return self.self_device_memory_usage
+
+
 @dataclasses.dataclass
-class FunctionEvent:
+class FunctionEvent(_DeviceAliases):
     """One recorded event: an HLO op that ran, a program run, or a labelled range.
 
     Attributes:
@@ -119,28 +144,6 @@ class FunctionEvent:
     def self_device_memory_usage(self) -> int:
         return self.device_memory_usage - sum(c.device_memory_usage for c in self.children)
 
-    # torch's older names for the device columns; read through the new names, so that a
-    # subclass's own times (a label inside jit) hold for both.
-    @property
-    def cuda_time(self) -> float:
-        return self.device_time
-
-    @property
-    def cuda_time_total(self) -> float:
-        return self.device_time_total
-
-    @property
-    def self_cuda_time_total(self) -> float:
-        return self.self_device_time_total
-
-    @property
-    def cuda_memory_usage(self) -> int:
-        return self.device_memory_usage
-
-    @property
-    def self_cuda_memory_usage(self) -> int:
-        return self.self_device_memory_usage
-
 
 def _covered(start: float, end: float, children: Sequence[FunctionEvent]) -> float:
     """How much of [start, end] the children's intervals cover together."""
@@ -160,7 +163,7 @@ _SUMMED = ("cpu_time_total", "self_cpu_time_total", "device_time_total", "self_d
 
 
 @dataclasses.dataclass
-class FunctionEventAvg:
+class FunctionEventAvg(_DeviceAliases):
     """The events of one key (and input shape, or stack prefix, when grouped by them), summed.
 
     Fields as torch's: `count`, `cpu_time_total`, `self_cpu_time_total`, `device_time_total`,
@@ -222,24 +225,6 @@ class FunctionEventAvg:
     @property
     def device_time(self) -> float:
         return self.device_time_total / max(self.calls, 1)
-
-    cuda_time = device_time
-
-    @property
-    def cuda_time_total(self) -> float:
-        return self.device_time_total
-
-    @property
-    def self_cuda_time_total(self) -> float:
-        return self.self_device_time_total
-
-    @property
-    def cuda_memory_usage(self) -> int:
-        return self.device_memory_usage
-
-    @property
-    def self_cuda_memory_usage(self) -> int:
-        return self.self_device_memory_usage
 
 
 class EventList(list):
