@@ -174,7 +174,7 @@ def test_record_function_is_a_row_outside_and_inside_jit(tmp_path):
 
 
 @pytest.mark.parametrize("tool", [emit_nvtx, emit_itt])
-def test_emit_ranges_around_calls_blocks_and_inside_jit(tool):
+def test_emit_ranges_around_calls_blocks_and_inside_jit(tool, tmp_path):
     traced = jax.jit(tool(record_shapes=True)(mlp))
     traced(W1, W2, X).block_until_ready()
     with profile() as prof:
@@ -187,6 +187,12 @@ def test_emit_ranges_around_calls_blocks_and_inside_jit(tool):
     keys = {e.key for e in prof.key_averages()}
     assert "block" in keys and tool.__name__ in keys and "never" not in keys
     assert f"mlp, sizes = [[{K}, {N}], [{N}, {OUT}], [{M}, {K}]]" in keys
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    traced_names = {e["name"] for e in json.loads(path.read_text())["traceEvents"]
+                    if e["ph"] == "X"}
+    assert {"block", tool.__name__, f"mlp, sizes = [[{K}, {N}], [{N}, {OUT}], [{M}, {K}]]"
+            } <= traced_names
 
 
 def test_with_modules_gives_flax_module_paths():
