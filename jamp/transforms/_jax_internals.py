@@ -513,6 +513,14 @@ def scan_parts(params: dict) -> tuple[ClosedJaxpr, int, int, dict]:
     return (_as_closed(params["jaxpr"]), params["num_consts"], params["num_carry"], options)
 
 
+def is_backward(eqn: JaxprEqn) -> bool:
+    """True for an equation of a backward pass: `jax.grad`/`jax.vjp` put a `transpose`
+    transformation on the name stack of every equation they transpose. Not public: the name
+    stack's `Transform` entries are internal types."""
+    return any(isinstance(entry, _source_info.Transform) and entry.name == "transpose"
+               for entry in eqn.source_info.name_stack.stack)
+
+
 def scope_names(eqn: JaxprEqn) -> list[str]:
     """The `jax.named_scope` names on an equation's name stack, outermost first: Flax linen
     module paths (`Model`, `Dense_0`), user scopes and autocast regions; the transformations

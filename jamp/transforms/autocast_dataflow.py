@@ -10,7 +10,8 @@ of a chain that would otherwise run in the low dtype: the variance `E[x^2] - E[x
 elementwise, structural and reduction ops that produce its operands, up to the values the chain
 starts from: a value that other ops also use at full size (an activation, the residual stream)
 stays as it is and is cast to float32 where the chain reads it, so only the kernel's inside
-changes. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
+changes. Reads by the backward pass (a `jax.grad` inside the transformed function) and by the
+caller (values returned beside a loss) do not count as such uses. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
 computed in float32 for every use. A nested `jit` (or custom_jvp, remat) on the chain takes
 float32 inputs: given those, its elementwise ops run in float32 (its matmuls still lower), and
 many jnp functions (`jnp.clip`, `jnp.where`) are such jits. A matmul that asks for full precision
@@ -36,16 +37,29 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
       regions: the autocast region of each equation.
     """
     eqns = jaxpr.eqns
+    # Two kinds of reader take a chain's float32 value without spreading float32 further, so
+    # they do not keep a value out of a chain: the backward pass (a `jax.grad` inside the
+    # transformed function reads the forward's results, as torch's backward kernels read the
+    # forward's float32 ones) and the caller (a loss's per-example values returned beside
+    # it: outputs go back in their traced dtypes). Only the forward's own uses can.
+    backward = [jx.is_backward(eqn) for eqn in eqns]
+    from_backward = {v for eqn, b in zip(eqns, backward, strict=True) if b for v in eqn.outvars}
+
+    def counted(i: int) -> list:
+        """The inputs of equation `i` whose use counts: a backward equation's reads of forward
+        values are left out."""
+        return [v for v in eqns[i].invars
+                if _is_var(v) and (not backward[i] or v in from_backward)]
+
     uses: Counter = Counter()
-    for eqn in eqns:
-        uses.update(v for v in eqn.invars if _is_var(v))
-    uses.update(v for v in jaxpr.outvars if _is_var(v))  # used by the caller, at full size
+    for i in range(len(eqns)):
+        uses.update(counted(i))
     reduced = _statistics(jaxpr)
 
     demanded_uses: Counter = Counter()
 
     def demanded(var) -> bool:
-        return demanded_uses[var] > 0 and (var in reduced or demanded_uses[var] == uses[var])
+        return demanded_uses[var] > 0 and (var in reduced or demanded_uses[var] >= uses[var])
 
     seeds = {i for i, (eqn, region) in enumerate(zip(eqns, regions, strict=True))
              if _is_seed(eqn, region) and any(_castable(v) for v in eqn.outvars)}
@@ -68,7 +82,7 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
         if not (i in seeds or feeds):
             continue
         result.add(i)
-        demanded_uses.update(v for v in eqn.invars if _is_var(v) and _castable(v))
+        demanded_uses.update(v for v in counted(i) if _castable(v))
     return frozenset(result)
 
 

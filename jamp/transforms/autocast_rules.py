@@ -179,7 +179,8 @@ class Operand:
 
 def input_targets(primitive_name: str, region: Region, operands: Sequence[Operand], *,
                   float32: bool = False, traced_only: bool = False,
-                  wide_values: bool = False) -> list[np.dtype | None]:
+                  wide_values: bool = False, scalar_result: bool = False
+                  ) -> list[np.dtype | None]:
     """The dtype each input is cast to (None: left as is).
 
     Args:
@@ -191,6 +192,7 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
       wide_values: an input or result is float64 or complex: the op runs as the program wrote
         it, so a float32 operand is never rounded down to meet a float64 one, and the parts of
         a complex number (`lax.complex`, which takes float32 or float64) keep their type.
+      scalar_result: the equation sums arrays to one number (`OpTable.scalar_results`).
     """
     castable = [o.castable for o in operands]
     traced = [o.traced for o in operands]
@@ -199,7 +201,7 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
         return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
     if float32 and region.enabled:
         return [FLOAT32 if ok else None for ok in castable]
-    fixed = _fixed_dtype(primitive_name, region)
+    fixed = _fixed_dtype(primitive_name, region, scalar_result)
     if fixed is not None and not any(
             ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands, strict=True)):
         return [fixed if ok else None for ok in castable]
@@ -222,10 +224,11 @@ def finite_range(dtype: np.dtype) -> tuple[np.generic, np.generic]:
     return np.asarray(info.min, dtype)[()], np.asarray(info.max, dtype)[()]
 
 
-def _fixed_dtype(primitive_name: str, region: Region) -> np.dtype | None:
+def _fixed_dtype(primitive_name: str, region: Region, scalar_result: bool = False
+                 ) -> np.dtype | None:
     if not region.enabled:
         return None
-    rule = region.table.rule(primitive_name)
+    rule = region.table.rule(primitive_name, scalar_result)
     if rule is None or rule == ACCUMULATE_FP32:
         return None
     if rule == LOWER:
@@ -235,9 +238,10 @@ def _fixed_dtype(primitive_name: str, region: Region) -> np.dtype | None:
     return np.dtype(rule)
 
 
-def accumulates_in_fp32(primitive_name: str, region: Region) -> bool:
+def accumulates_in_fp32(primitive_name: str, region: Region, scalar_result: bool = False
+                        ) -> bool:
     """True for ops that compute in float32 and return their inputs' dtype."""
-    return region.enabled and region.table.rule(primitive_name) == ACCUMULATE_FP32
+    return region.enabled and region.table.rule(primitive_name, scalar_result) == ACCUMULATE_FP32
 
 
 def _promote(operands: Sequence[Operand], castable, saturate: bool) -> list[np.dtype | None]:

@@ -313,9 +313,11 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     if follower is not None:
         operands[follower] = dataclasses.replace(operands[follower], follows=True)
     wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
+    scalar = dataflow.sums_to_scalar(eqn)
     targets = rules.input_targets(
         name, region, operands, float32=float32,
-        traced_only=jx.declares_result_types(eqn.params), wide_values=wide)
+        traced_only=jx.declares_result_types(eqn.params), wide_values=wide,
+        scalar_result=scalar)
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway). A scale is cast plainly.
@@ -332,7 +334,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     # bfloat16 and a float32 input returns bfloat16, as torch's does.
     traced = rules.widest(o.traced for o in operands if o.traced is not None)
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
-    if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region):
+    if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region, scalar):
         invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating, strict=True)]
         params = jx.with_result_dtype(params, result, rules.FLOAT32)
         outs = jx.bind(eqn, params, invals)

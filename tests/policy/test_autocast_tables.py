@@ -1,6 +1,8 @@
 """The op tables: their primitives are the ones jnp / jax.nn emit, they agree with torch's CPU
 autocast where torch can be run here, and they can be extended and overridden."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,3 +203,6 @@ def test_scalar_results_is_part_of_the_table():
     assert cpu.rule("reduce_sum", scalar_result=True) == FP32
     with pytest.raises(ValueError, match="scalar_results"):
         OpTable("cpu", "bfloat16", {}, scalar_results="fastest")
+    off = dataclasses.replace(cpu, scalar_results=None)  # the documented way to turn it off
+    loss = jamp.autocast(lambda x: jnp.sum(jnp.exp(x @ x.T)), op_table=off, cast_outputs=False)
+    assert loss(X).dtype == BF16
