@@ -19,7 +19,6 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jamp
 from jamp.profile import amp_report, profile, record_function

@@ -22,7 +22,6 @@ are those that are instances of `flax.linen.BatchNorm`.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn

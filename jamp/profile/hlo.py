@@ -17,7 +17,6 @@ import math
 import re
 from typing import Iterable, Sequence
 
-import numpy as np
 
 from jamp.profile import scopes
 from jamp.transforms import _jax_internals as jx
@@ -443,9 +442,3 @@ def _memory_stats(executable) -> tuple[int, int]:
         return 0, 0
     return int(getattr(stats, "temp_size_in_bytes", 0)), int(
         getattr(stats, "output_size_in_bytes", 0))
-
-
-def numpy_dtype(name: str):
-    """The numpy dtype of an HLO dtype name (ml_dtypes' for bfloat16 and float8)."""
-    import jax.numpy as jnp
-    return np.dtype(getattr(jnp, name))

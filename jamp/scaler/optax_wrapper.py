@@ -32,7 +32,6 @@ from jamp.scaler.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
-    agree_across,
     all_finite,
     select_tree,
 )
