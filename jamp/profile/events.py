@@ -171,7 +171,7 @@ class FunctionEventAvg(_DeviceAliases):
     """
 
     key: str
-    count: int = 0
+    cpu_count: int = 0
     cpu_time_total: float = 0.0
     self_cpu_time_total: float = 0.0
     device_time_total: float = 0.0
@@ -197,12 +197,12 @@ class FunctionEventAvg(_DeviceAliases):
         only where a key has no CPU event (a kernel is the device side of a launch already
         counted)."""
         if isinstance(event, FunctionEventAvg):
-            self.count += event.count
+            self.cpu_count += event.cpu_count
             self._device_count += event._device_count
         elif event.is_device:
             self._device_count += 1
         else:
-            self.count += 1
+            self.cpu_count += 1
         if event.device_type != CPU:
             self.device_type = event.device_type
         for field in _SUMMED:
@@ -216,7 +216,13 @@ class FunctionEventAvg(_DeviceAliases):
 
     @property
     def calls(self) -> int:
-        return self.count or self._device_count
+        return self.cpu_count or self._device_count
+
+    @property
+    def count(self) -> int:
+        """Calls: the CPU-side events (a GPU kernel is the device side of a launch counted
+        there), or the device events of a key that has only those."""
+        return self.calls
 
     @property
     def cpu_time(self) -> float:

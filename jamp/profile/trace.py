@@ -22,8 +22,10 @@ from jamp.profile.events import CPU, EventList, FunctionEvent
 # Device planes of an XSpace and the device type torch would call them.
 _DEVICE_PLANES = (("/device:GPU", "cuda"), ("/device:TPU", "tpu"))
 _HOST_PLANE = "/host:CPU"
-# Annotations some backends encode in an event's name: `name:#hlo_op=...,hlo_module=...#`.
-_ENCODED_STATS = re.compile(r"#(.*)#")
+# Annotations encoded as `Label:#key=value,...#`, in an event's name or in a string stat: XLA's
+# GPU runtime annotates kernels with their module (`XlaModule:#hlo_module=...,program_id=...#`)
+# and op, which a device event may carry as a stat rather than as stats of its own.
+_ENCODED_STATS = re.compile(r"#([^#]*)#")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,11 @@ def read_events(data, options: Options, host_labels: Iterable[str],
         event.program = program
         _describe(event, catalog.instruction(module, program[1], op), options)
         ops.append(event)
+    # Device work the trace does not tie to an HLO op (a library kernel outside XLA's
+    # annotations) is still time on the device: a row named by the kernel.
+    for r in raw:
+        if r.device_type != CPU and not ("hlo_op" in r.stats and "hlo_module" in r.stats):
+            new(r.name, "op", r.thread, r.start_ns, r.end_ns, r.device_type)
     _nest_on_threads(ops)
 
     runs: dict[tuple, list[FunctionEvent]] = {}
@@ -90,6 +97,8 @@ def read_events(data, options: Options, host_labels: Iterable[str],
         runs.setdefault(event.program, []).append(event)
     programs = []
     for (module, program_id, run_id, device), members in runs.items():
+        if run_id is None:  # without the trace's run ids, runs cannot be told apart
+            continue
         run = new(module, "program", "XLA programs", 0, 0)
         run.start_us = min(e.start_us for e in members)
         run.end_us = max(e.end_us for e in members)
@@ -144,16 +153,22 @@ def _raw_events(data, device_type_of_gpu: str):
         for line in plane.lines:
             thread = f"{plane.name}/{line.name}" if device_type != CPU else line.name
             for event in line.events:
-                stats = dict(event.stats)
                 name = event.name
-                encoded = _ENCODED_STATS.search(name)
-                if encoded and "hlo_op" not in stats:
-                    stats.update(part.split("=", 1) for part in encoded.group(1).split(",")
-                                 if "=" in part)
                 if name.startswith("end: "):  # the end of an asynchronous step, not a step
                     continue
+                stats = _with_encoded_stats(name, dict(event.stats))
                 yield _Raw(name, thread, device_type, event.start_ns,
                            event.start_ns + event.duration_ns, stats)
+
+
+def _with_encoded_stats(name: str, stats: dict) -> dict:
+    """`stats` with the `#key=value,...#` annotations of the name and string stats added
+    (stats of the event's own win)."""
+    found = {}
+    for text in (name, *(v for v in stats.values() if isinstance(v, str))):
+        for block in _ENCODED_STATS.findall(text):
+            found.update(part.split("=", 1) for part in block.split(",") if "=" in part)
+    return {**found, **stats}
 
 
 def _describe(event: FunctionEvent, instruction: hlo.Instruction | None,

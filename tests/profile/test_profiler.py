@@ -296,3 +296,58 @@ def test_total_average_sums_every_event(full_profile):
 def test_autograd_profiler_is_jamp_profile():
     assert jamp.autograd.profiler is jamp.profile
     assert jamp.autograd.profiler.record_function is record_function
+
+
+# A GPU trace, written as the XSpace JAX's profiler records on a GPU (no GPU here): host
+# launches carry their op's stats; kernels carry them as XLA's encoded annotation, or nothing
+# (a library kernel outside XLA's annotations).
+GPU_XSPACE = """
+planes {
+  id: 1 name: "/host:CPU"
+  lines { id: 1 name: "python" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 20000000 } }
+  lines { id: 2 name: "launcher" timestamp_ns: 0
+    events { metadata_id: 2 offset_ps: 1000000 duration_ps: 1000000
+      stats { metadata_id: 1 str_value: "fusion.3" }
+      stats { metadata_id: 2 str_value: "jit_step" }
+      stats { metadata_id: 3 int64_value: 7 }
+      stats { metadata_id: 4 int64_value: 42 } } }
+  event_metadata { key: 1 value { id: 1 name: "step" } }
+  event_metadata { key: 2 value { id: 2 name: "ThunkLaunch" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } }
+  stat_metadata { key: 2 value { id: 2 name: "hlo_module" } }
+  stat_metadata { key: 3 value { id: 3 name: "program_id" } }
+  stat_metadata { key: 4 value { id: 4 name: "run_id" } }
+}
+planes {
+  id: 2 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 3000000 duration_ps: 5000000
+      stats { metadata_id: 1 str_value: "XlaModule:#hlo_module=jit_step,program_id=7#" }
+      stats { metadata_id: 2 str_value: "fusion.3" } }
+    events { metadata_id: 2 offset_ps: 9000000 duration_ps: 2000000 } }
+  event_metadata { key: 1 value { id: 1 name: "loop_fusion_kernel" } }
+  event_metadata { key: 2 value { id: 2 name: "cutlass_gemm_kernel" } }
+  stat_metadata { key: 1 value { id: 1 name: "level 0" } }
+  stat_metadata { key: 2 value { id: 2 name: "hlo_op" } }
+}
+"""
+
+
+def test_a_gpu_trace_gives_device_times_and_torchs_device_columns():
+    from jamp.profile import trace
+    data = jax.profiler.ProfileData.from_text_proto(GPU_XSPACE)
+    events, device = trace.read_events(data, trace.Options(), {"step"}, set())
+    assert device == "cuda"
+    rows = {row.key: row for row in events.key_averages()}
+    op = rows["jit_step::fusion.3"]
+    assert op.count == 1  # the launch; its kernel is the device side of the same call
+    assert op.cpu_time_total == pytest.approx(1.0) and op.device_time_total == pytest.approx(5.0)
+    library = rows["cutlass_gemm_kernel"]
+    assert library.count == 1 and library.device_time_total == pytest.approx(2.0)
+    assert rows["step"].count == 1 and rows["jit_step"].count == 1
+    text = events.key_averages().table(sort_by="self_cuda_time_total")
+    assert {"Self CUDA", "Self CUDA %", "CUDA total", "CUDA time avg"} <= {
+        c.strip() for c in re.split(r"\s{2,}", text.splitlines()[1])}
+    assert text.splitlines()[3].split()[0] == "jit_step::fusion.3"
+    assert [line for line in text.splitlines() if line][-1] == "Self CUDA time total: 7.000us"
