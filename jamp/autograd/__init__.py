@@ -5,7 +5,15 @@ under torch's names and module layout (`jamp.autograd.functional`, `jamp.autogra
 docs/autograd.md maps every name to torch's, with its status.
 """
 
-from jamp.autograd import anomaly_mode, forward_ad, function, functional, grad_mode, graph
+from jamp.autograd import (
+    anomaly_mode,
+    forward_ad,
+    function,
+    functional,
+    grad_mode,
+    graph,
+    profiler,
+)
 from jamp.autograd import gradcheck as _gradcheck_module
 from jamp.autograd.anomaly_mode import detect_anomaly, set_detect_anomaly
 from jamp.autograd.function import Function, FunctionCtx, once_differentiable
@@ -17,7 +25,6 @@ from jamp.autograd.grad_mode import (
     set_grad_enabled,
 )
 from jamp.autograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
-from jamp import profile as profiler
 
 del _gradcheck_module
 

@@ -200,7 +200,9 @@ class AmpReport:
             import matplotlib.pyplot as plt
         except ImportError as e:
             raise ImportError("AmpReport.plot needs matplotlib: pip install matplotlib") from e
-        rows = [r for r in self.modules if getattr(r, quantity)][::-1]  # the biggest on top
+        amount = lambda r: sum(getattr(r, quantity).values())
+        # barh draws the first row at the bottom: ascending puts the biggest on top.
+        rows = sorted((r for r in self.modules if getattr(r, quantity)), key=amount)
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(rows)))
         left = np.zeros(len(rows))
@@ -271,7 +273,15 @@ def amp_report(fn: Callable, *args: Any, **kwargs: Any) -> AmpReport:
     if not callable(fn):
         raise TypeError(f"amp_report's first argument must be a function to report on; got "
                         f"{fn!r} of type {type(fn).__name__}.")
-    traced = (fn if isinstance(fn, _JITTED) else jax.jit(fn)).trace(*args, **kwargs)
+    try:
+        traced = (fn if isinstance(fn, _JITTED) else jax.jit(fn)).trace(*args, **kwargs)
+    except TypeError as error:
+        if "non-array argument" not in str(error):
+            raise
+        raise TypeError(
+            f"amp_report traces fn as jax.jit does, and jax.jit refuses one of its arguments: "
+            f"{error}\nBind arguments that are not arrays first, e.g. "
+            f"amp_report(functools.partial(fn, option=value), *arrays).") from error
     tally = _Tally()
     tally.walk(jx.without_dead_code(traced.jaxpr.jaxpr), (), 1)
     lowered = traced.lower()
@@ -345,9 +355,9 @@ class _Tally:
                         own.bytes[dtype] += size * times
 
     def _note_convert(self, eqn, path: tuple[str, ...], times: int) -> None:
+        # A weak-type change (float32 -> float32) is a convert of the lowered program too,
+        # one XLA removes: counted, so that the count is the program's.
         source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-        if source == target:  # a weak-type change only: it lowers to nothing
-            return
         stats = self.stats[("convert", str(source), str(target), path)]
         stats.static += 1
         stats.count += times
@@ -628,6 +638,6 @@ def _columns(rows: list[tuple[str, ...]], hidden: int) -> list[str]:
     lines = ["  ".join(cell.rjust(w) if c in (1, 2) else cell.ljust(w)
                        for c, (cell, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
-    if len(rows) == 1:
+    if len(rows) == 1 and not hidden:
         lines.append("(none)")
     return lines + ([f"... {hidden} more (row_limit)"] if hidden else [])

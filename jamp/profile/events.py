@@ -207,8 +207,6 @@ class FunctionEventAvg(_DeviceAliases):
             self.device_type = event.device_type
         for field in _SUMMED:
             setattr(self, field, getattr(self, field) + getattr(event, field))
-        if not self.stack:
-            self.stack = event.stack
         if not self.module_hierarchy:
             self.module_hierarchy = event.module_hierarchy
         self.kind = self.kind or event.kind
@@ -256,7 +254,9 @@ class EventList(list):
     def key_averages(self, group_by_input_shape: bool = False,
                      group_by_stack_n: int = 0) -> "EventList":
         """One `FunctionEventAvg` per key (and per input shapes with `group_by_input_shape`,
-        per the innermost `group_by_stack_n` frames of the stack), in first-seen order."""
+        per the innermost `group_by_stack_n` frames of the stack), in first-seen order. As in
+        torch, an average keeps a stack (and the table its "Source Location") only when
+        grouped by one."""
         _checks.check_bool("group_by_input_shape", group_by_input_shape)
         group_by_stack_n = _checks.check_count("group_by_stack_n", group_by_stack_n, minimum=0)
         averages: dict[tuple, FunctionEventAvg] = {}
@@ -283,6 +283,8 @@ class EventList(list):
         total = FunctionEventAvg(key="Total")
         for event in self:
             total.add(event)
+        # The total of every event describes none of them.
+        total.kind, total.module_hierarchy, total.parent = "", "", None
         return total
 
     def table(self, sort_by: str | None = None, row_limit: int = 100,
@@ -341,9 +343,12 @@ class EventList(list):
 
     def export_stacks(self, path, metric: str = "self_cpu_time_total") -> None:
         """Writes `frame;frame;...;key value` lines (outermost frame first) for flame graph
-        tools; events without a stack (profiles without `with_stack`) are left out."""
+        tools. Needs a profile recorded `with_stack=True`, as torch's does."""
         if metric not in STACK_METRICS:
             raise ValueError(f"metric={metric!r}; accepted: {', '.join(STACK_METRICS)}")
+        if not self._with_stack:
+            raise RuntimeError("export_stacks() requires a profile recorded with "
+                               "with_stack=True: profile(with_stack=True).")
         lines = []
         for event in self:
             value = getattr(event, metric)

@@ -238,7 +238,8 @@ _REGIONS = {"while": re.compile(r"body|cond|body_pred"), "cond": re.compile(r"br
 def scope_names(op_name: str) -> tuple[str, ...]:
     """The named scopes in an HLO op_name, outermost first: the user's `jax.named_scope`s,
     Flax linen's module scopes, the labels of `record_function`; JAX's own names left out."""
-    parts = op_name.split("/")[:-1]  # the last is the primitive
+    # XLA joins the op_names of instructions it merged with ";": the first is the op's own.
+    parts = op_name.split(";", 1)[0].split("/")[:-1]  # the last is the primitive
     names = []
     i = 0
     while i < len(parts):

@@ -75,7 +75,8 @@ class profile:
       profile_memory: bytes each op writes; a program run's outputs and temporaries.
       with_stack: the user's source lines of each op (`file(line): function`).
       with_modules: the named-scope path of each op: Flax linen module paths.
-      use_kineto, experimental_config: accepted for torch code; JAX's profiler is the backend.
+      use_kineto, experimental_config, use_device: accepted for torch code; JAX's profiler
+        is the backend and reports the devices it saw.
       use_cpu: False keeps device events only.
 
     Example:
@@ -100,15 +101,19 @@ class profile:
                  record_shapes: bool = False, with_flops: bool = False,
                  profile_memory: bool = False, with_stack: bool = False,
                  with_modules: bool = False, use_kineto: bool = False, use_cpu: bool = True,
-                 experimental_config: Any = None):
+                 experimental_config: Any = None, use_device: str | None = None):
         flags = dict(enabled=enabled, use_cuda=use_cuda, record_shapes=record_shapes,
                      with_flops=with_flops, profile_memory=profile_memory,
                      with_stack=with_stack, with_modules=with_modules, use_kineto=use_kineto,
                      use_cpu=use_cpu)
         for name, value in flags.items():
             _checks.check_bool(name, value)
+        if use_device is not None and not isinstance(use_device, str):
+            raise TypeError(f"use_device must be a device type name such as 'cuda', or None; "
+                            f"got use_device={use_device!r}")
         self.enabled = enabled
         self.use_cuda = use_cuda
+        self.use_device = use_device
         self.experimental_config = experimental_config
         self.options = trace.Options(record_shapes=record_shapes, with_flops=with_flops,
                                      profile_memory=profile_memory, with_stack=with_stack,
@@ -122,6 +127,11 @@ class profile:
         if not self.enabled:
             self.function_events = EventList()
             return self
+        if jx.staging():
+            raise RuntimeError(
+                "profile() records what runs, and nothing runs while jax.jit traces: profile "
+                "the call to the jitted function instead (label parts of it with "
+                "record_function).")
         if self._running or self.function_events is not None:
             raise RuntimeError("This profile has already run; make a new profile() for "
                                "another block.")
@@ -141,7 +151,8 @@ class profile:
         except Exception as error:
             _ACTIVE.release()
             shutil.rmtree(self._directory, ignore_errors=True)
-            raise RuntimeError(f"jax.profiler could not start a trace: {error}. Is another "
+            reason = str(error).rstrip(". ")
+            raise RuntimeError(f"jax.profiler could not start a trace: {reason}. Is another "
                                "trace (jax.profiler.trace, start_trace) running?") from error
         self._running = True
         return self

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Iterable
 
 from jamp.profile import hlo
@@ -131,7 +132,13 @@ def read_events(data, options: Options, host_labels: Iterable[str],
     for label in scope_labels:
         events.extend(_scope_ranges(label, ops, len(events)))
     if not options.use_cpu:
+        if events and not any(e.is_device for e in events):
+            warnings.warn("profile(use_cpu=False) keeps device events only, and this trace has "
+                          "none (no GPU or TPU ran): the profile is empty.", stacklevel=3)
         events = [e for e in events if e.is_device]
+        for event in events:  # their CPU-side parents are gone with the rest
+            if event.parent is not None and not event.parent.is_device:
+                event.parent = None
     events.sort(key=lambda e: (e.start_us, -e.end_us))
     for index, event in enumerate(events):
         event.id = index
@@ -240,7 +247,7 @@ def _scope_ranges(label: str, ops: list[FunctionEvent], first_id: int) -> list[F
     found = []
     for members in runs.values():
         event = _ScopeRange(id=first_id + len(found), name=label, kind="range",
-                            thread="named scopes", start_us=min(e.start_us for e in members),
+                            thread=f"label {label}", start_us=min(e.start_us for e in members),
                             end_us=max(e.end_us for e in members))
         event.members = members
         # Inside its program run (not among the run's children: its ops are already there).

@@ -404,3 +404,59 @@ def test_bad_input_is_named():
         report.table(row_limit="5")
     with pytest.raises(ValueError, match=r"got 'time'"):
         report.plot(quantity="time")
+
+
+def test_weak_type_converts_are_counted_as_the_lowered_program_has_them():
+    # Flax's attention scales by sqrt(depth): a weak float32 scalar made strong, which lowers
+    # to a float32 -> float32 stablehlo.convert.
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.MultiHeadDotProductAttention(num_heads=2)(x)
+
+    model = Attention()
+    x = jnp.ones((2, 4, 8))
+    params = model.init(jax.random.key(0), x)
+    loss = jax.grad(lambda p, x: model.apply(p, x).sum())
+    report = amp_report(loss, params, x)
+    lowered = jax.jit(loss).lower(params, x).as_text().count("stablehlo.convert")
+    assert lowered >= 1
+    assert sum(c.static_count for c in report.converts) == lowered
+    assert report.compiled.lowered_converts == lowered
+    assert ("float32", "float32") in {(c.source, c.target) for c in report.converts}
+
+
+def test_a_non_array_argument_is_refused_with_what_to_do():
+    def scaled(w, x, how):
+        return x @ w
+
+    with pytest.raises(TypeError, match="functools.partial"):
+        amp_report(scaled, jnp.ones((2, 2)), jnp.ones((2, 2)), how="relu")
+
+
+def test_row_limit_zero_hides_rows_without_saying_none():
+    text = amp_report(lambda w, x: x @ w, jnp.ones((2, 2)), jnp.ones((2, 2))).table(row_limit=0)
+    primitives = text.split("\n\n")[1].splitlines()
+    assert primitives[1:] == ["... 1 more (row_limit)"]
+
+
+def test_plot_of_bytes_puts_the_most_bytes_on_top():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+
+    class Wide(nn.Module):  # few FLOPs, many bytes in one module; many FLOPs in the other
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Dense(64, name="flops")(x)
+            with jax.named_scope("bytes"):
+                z = jnp.tile(x, (1, 64)) * 2.0
+            return y.sum() + z.sum()
+
+    model = Wide()
+    params = model.init(jax.random.key(0), X)
+    report = amp_report(model.apply, params, X)
+    ax = report.plot(quantity="bytes")
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    by_bytes = sorted(report.modules, key=lambda r: sum(r.bytes.values()))
+    assert labels == [r.name for r in by_bytes if r.bytes]

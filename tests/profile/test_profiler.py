@@ -79,7 +79,36 @@ def test_record_shapes_gives_operand_shapes_and_dtypes(full_profile):
 def test_with_stack_points_at_the_users_line(full_profile):
     first = [e for e in full_profile.events() if e.flops == 2 * M * K * N][0]
     assert first.stack[0].endswith(f"test_profiler.py({MLP_LINE}): mlp"), first.stack
-    assert "Source Location" in full_profile.key_averages().table()
+    # As torch's: averages keep stacks (and the table its Source Location) when grouped by them.
+    assert "Source Location" not in full_profile.key_averages().table()
+    grouped = full_profile.key_averages(group_by_stack_n=2)
+    assert "Source Location" in grouped.table()
+    assert any(row.stack and row.stack[0].endswith(f"({MLP_LINE}): mlp") for row in grouped)
+
+
+def test_export_stacks_needs_with_stack(tmp_path):
+    prof = run_profiled(step, W1, W2, X, calls=1)
+    with pytest.raises(RuntimeError, match="with_stack=True"):
+        prof.export_stacks(str(tmp_path / "stacks.txt"))
+
+
+def test_profile_inside_jit_is_refused_and_torchs_use_device_is_accepted():
+    @jax.jit
+    def traced(x):
+        with profile():
+            return x * 2
+
+    with pytest.raises(RuntimeError, match="nothing runs while jax.jit traces"):
+        traced(X)
+    with pytest.raises(TypeError, match="use_device=3"):
+        profile(use_device=3)
+    assert profile(use_device="cuda").use_device == "cuda"
+
+
+def test_use_cpu_false_on_a_cpu_trace_warns_that_nothing_is_left():
+    with pytest.warns(UserWarning, match="device events only"):
+        prof = run_profiled(step, W1, W2, X, calls=1, use_cpu=False)
+    assert len(prof.events()) == 0
 
 
 def test_profile_memory_counts_the_bytes_ops_write(full_profile):
@@ -293,9 +322,13 @@ def test_total_average_sums_every_event(full_profile):
     assert total.flops == sum(e.flops for e in events)
 
 
-def test_autograd_profiler_is_jamp_profile():
-    assert jamp.autograd.profiler is jamp.profile
-    assert jamp.autograd.profiler.record_function is record_function
+def test_autograd_profiler_has_torchs_names_and_imports():
+    import importlib
+    module = importlib.import_module("jamp.autograd.profiler")  # torch's import works
+    assert module is jamp.autograd.profiler
+    for name in ("profile", "record_function", "emit_nvtx", "emit_itt", "EventList",
+                 "FunctionEvent", "FunctionEventAvg"):
+        assert getattr(module, name) is getattr(jamp.profile, name)
 
 
 # A GPU trace, written as the XSpace JAX's profiler records on a GPU (no GPU here): host

@@ -329,7 +329,7 @@ def test_table_arguments_are_checked(labelled_profile):
 
 
 def test_an_empty_profile(tmp_path):
-    with profile() as prof:
+    with profile(with_stack=True) as prof:
         pass
     assert len(prof.key_averages()) == 0
     assert prof.key_averages().table() == "" == str(prof) == prof.events().table()
