@@ -16,6 +16,15 @@ from jax.extend import core as jex_core
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
+# Apex's documented dtypes per opt level, as jamp.initialize sets them up (linen and NNX):
+# (kernels, batch-norm params, batch stats, masters, matmuls).
+OPT_LEVEL_DTYPES = {
+    "O0": (F32, F32, F32, None, "f32"),
+    "O1": (F32, F32, F32, None, "f16"),
+    "O2": (F16, F32, F32, F32, "f16"),
+    "O3": (F16, F16, F16, None, "f16"),
+}
+
 # An activation and a weight: float32, mixed signs, products well inside float16's range.
 X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
 W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)

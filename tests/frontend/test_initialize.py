@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jamp
-from helpers import F16, F32
+from helpers import F16, F32, OPT_LEVEL_DTYPES as EXPECTED
 
 
 class CNN(nn.Module):
@@ -35,14 +35,6 @@ MODEL = CNN()
 X = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8, 8, 1)), jnp.float32)
 Y = jnp.arange(8) % 10
 VARIABLES = MODEL.init(jax.random.key(0), X)
-
-# Documented dtypes per level: (kernels, batch-norm params, batch stats, masters, matmuls).
-EXPECTED = {
-    "O0": (F32, F32, F32, None, "f32"),
-    "O1": (F32, F32, F32, None, "f16"),
-    "O2": (F16, F32, F32, F32, "f16"),
-    "O3": (F16, F16, F16, None, "f16"),
-}
 
 
 def _setup(level, tx=None, **overrides):

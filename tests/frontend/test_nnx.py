@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jamp
-from helpers import F16, F32, rel_err
+from helpers import F16, F32, OPT_LEVEL_DTYPES as EXPECTED, rel_err
 
 
 class Block(nnx.Module):
@@ -57,14 +57,6 @@ class MLP(nnx.Module):
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8, 8, 1)), jnp.float32)
 Y = jnp.arange(16) % 10
-
-# Documented dtypes per level: (kernels, batch-norm params, batch stats, masters, matmuls).
-EXPECTED = {
-    "O0": (F32, F32, F32, None, "f32"),
-    "O1": (F32, F32, F32, None, "f16"),
-    "O2": (F16, F32, F32, F32, "f16"),
-    "O3": (F16, F16, F16, None, "f16"),
-}
 
 
 def _setup(level, tx=None, **overrides):
