@@ -8,6 +8,11 @@ rule:
 - `ACCUMULATE_FP32`: the op computes in float32 and its result is cast back to its inputs'
   dtype (torch's CPU kernels accumulate reduced-precision sums in float; jnp does the same for
   `jnp.sum` of half-precision arrays);
+- `FP32_STATISTICS`: a normalization's statistics op (`rsqrt` of a variance): it computes in
+  float32 with the chain that produces its operands, as `FP32`, and so does the rest of the
+  normalization (centring, scaling, the affine weight and bias); the result leaves in the
+  activation's dtype (torch's CPU normalization kernels: float32 inside, one rounding at the
+  end);
 - an explicit floating dtype (e.g. `np.dtype("float16")`): floating inputs are cast to it.
 
 A primitive that is not in the table runs in the widest floating dtype among its current inputs
@@ -56,6 +61,10 @@ from jamp.policy.dtypes import canonical_floating_dtype
 LOWER = "lower"
 FP32 = "fp32"
 ACCUMULATE_FP32 = "accumulate_fp32"
+FP32_STATISTICS = "fp32_statistics"
+
+# The named rules (a rule may also be a floating dtype).
+RULES = (LOWER, FP32, ACCUMULATE_FP32, FP32_STATISTICS)
 
 Rule = Union[str, np.dtype]
 
@@ -80,21 +89,24 @@ _CUDA_FP32_OPS = (
 )
 
 # torch CPU float32 list -> primitives: prod (not cumprod: torch returns bfloat16 for it), the
-# linear algebra (cholesky*, inverse, lu_solve, qr, svd, eig*, triangular_solve, lstsq, ...)
-# and fft_*. Losses on the CPU list are composites whose primitives are not listed here (a
-# documented deviation: their logs/exps follow their inputs). The same linear algebra and FFT
+# linear algebra (cholesky*, inverse, lu_solve, qr, ormqr, svd, eig*, triangular_solve, lstsq,
+# ...) and fft_*. The losses on the CPU list are chains ending in a sum to one number (the cpu
+# table's `scalar_results`). The same linear algebra and FFT
 # are float32 on the cuda and tpu tables too: LAPACK, cuSOLVER and XLA's FFT have no half
 # precision kernels (torch's CUDA autocast leaves them off its lists and raises for float16).
 _LINALG_FFT_OPS = (
-    "cholesky", "triangular_solve", "lu", "qr", "householder_product", "geqrf", "svd",
-    "eigh", "eig", "schur", "hessenberg", "tridiagonal_solve", "fft",
+    "cholesky", "cholesky_update", "triangular_solve", "lu", "qr", "householder_product",
+    "ormqr", "geqrf", "svd", "eigh", "eig", "schur", "hessenberg", "tridiagonal",
+    "tridiagonal_solve", "fft",
 )
 # rsqrt is where every normalization (BatchNorm, LayerNorm, GroupNorm, RMSNorm, in Flax and by
 # hand) turns its statistics into a scale. torch's norm kernels compute those statistics in
 # float32 on every device, whatever their input dtype; listing rsqrt makes the interpreter
-# compute the whole chain that feeds it (mean, mean of squares, variance) in float32 too.
+# compute the whole chain that feeds it (mean, mean of squares, variance) in float32 too. On
+# the cuda table it is FP32 (torch's CUDA list holds rsqrt, layer_norm and group_norm: float32
+# results); on the cpu table FP32_STATISTICS: torch's CPU norm kernels return the input's dtype.
 _NORM_STATISTICS_OPS = ("rsqrt",)
-_CPU_FP32_OPS = ("reduce_prod",) + _LINALG_FFT_OPS + _NORM_STATISTICS_OPS
+_CPU_FP32_OPS = ("reduce_prod",) + _LINALG_FFT_OPS
 
 # torch's CPU sum/cumsum of bfloat16 return bfloat16 but accumulate in float (acc_type).
 _CPU_ACCUMULATE_OPS = ("reduce_sum", "cumsum")
@@ -112,12 +124,14 @@ class OpTable:
         dtype. Read-only. Keys may also be `jax.extend.core.Primitive` objects (stored by
         name); a name that is no JAX primitive (torch's "softmax", a typo) is a ValueError
         that says what the torch op traces to.
-      scalar_results: the rule of a sum that reduces arrays to one number (`reduce_sum` or a
-        `dot_general` with a rank-0 result: a loss's mean, a dot product), whatever its
-        primitive's rule says; None: its primitive's rule. The cpu table sets `FP32`: torch's
-        CPU float32 list holds the losses (cross entropy, NLL, BCE, margin losses...) and
-        `dot`, `vdot` and `trace`, kernels that sum a batch to one number in float32, and in a
-        jaxpr each is a chain ending in such a sum.
+      scalar_results: the rule of a sum that reduces arrays to one number (a `reduce_sum`
+        with a rank-0 result: a loss's mean, a trace), whatever its primitive's rule says;
+        None: its primitive's rule. The cpu table sets `FP32`: torch's CPU float32 list holds
+        the losses (cross entropy, NLL, BCE, margin losses...) and `trace`, kernels that sum a
+        batch to one number in float32, and in a jaxpr each is a chain ending in such a sum.
+        A product of two vectors to one number (a `dot_general` with a rank-0 result: torch's
+        `dot`, `vdot`, `inner`, which are on no list) is no matrix product: `LOWER` does not
+        apply to it, and it runs in its inputs' dtypes.
     """
 
     device_type: str
@@ -143,10 +157,14 @@ class OpTable:
     def rule(self, primitive_name: str, scalar_result: bool = False) -> Rule | None:
         """The rule of a primitive, or None when it runs in its inputs' widest floating dtype.
 
-        `scalar_result`: the equation sums arrays to one number (see `scalar_results`)."""
-        if scalar_result and self.scalar_results is not None:
-            return self.scalar_results
-        return self.rules.get(primitive_name)
+        `scalar_result`: the equation reduces arrays to one number (see `scalar_results`)."""
+        rule = self.rules.get(primitive_name)
+        if scalar_result:
+            if primitive_name in primitives.SUMS and self.scalar_results is not None:
+                return self.scalar_results
+            if rule == LOWER:
+                return None
+        return rule
 
     def updated(self, rules: Mapping[str, Rule]) -> "OpTable":
         """A copy with `rules` added or replacing the existing ones (add a primitive, move it
@@ -194,26 +212,28 @@ def _check_names(names: Iterable[Any]) -> None:
 
 
 def _check_rule(name: str, rule: Rule) -> Rule:
-    if isinstance(rule, str) and rule in (LOWER, FP32, ACCUMULATE_FP32):
+    if isinstance(rule, str) and rule in RULES:
         return rule
     try:
         return canonical_floating_dtype(rule, f"rule for {name!r}")
     except ValueError as e:
         raise ValueError(
-            f"{e} The rule for {name!r} must be {LOWER!r}, {FP32!r}, {ACCUMULATE_FP32!r} or a "
+            f"{e} The rule for {name!r} must be one of {', '.join(map(repr, RULES))} or a "
             "floating dtype.") from None
 
 
-def _table(device_type: str, dtype, fp32_ops, accumulate_ops=(), scalar_results=None
-           ) -> OpTable:
+def _table(device_type: str, dtype, fp32_ops, accumulate_ops=(), statistics_ops=(),
+           scalar_results=None) -> OpTable:
     rules = {**{name: LOWER for name in _LOWER_OPS}, **{name: FP32 for name in fp32_ops},
-             **{name: ACCUMULATE_FP32 for name in accumulate_ops}}
+             **{name: ACCUMULATE_FP32 for name in accumulate_ops},
+             **{name: FP32_STATISTICS for name in statistics_ops}}
     return OpTable(device_type, np.dtype(dtype), rules, scalar_results)
 
 
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
     "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
-    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS, scalar_results=FP32),
+    "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS, _NORM_STATISTICS_OPS,
+                  scalar_results=FP32),
     "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
 })
 

@@ -41,13 +41,19 @@ ELEMENTWISE = frozenset({
 })
 # Ops that join whole arrays into one (`jnp.stack` is its own primitive in some JAX versions).
 ASSEMBLES = frozenset({"concatenate", "stack"})
+# Ops that write values into an array, their first operand (jnp's `.at[]`, torch's index_put).
+SCATTERS = frozenset({
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+})
 # Ops that pass one of their operands through as the result.
 SELECTIONS = frozenset({"select_n", "clamp", "max", "min"})
 # Reductions that shrink their operand, and those across devices (which keep its shape).
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
-# Primitives that add up products or elements: with a rank-0 result, a sum to one number
+# Primitives that add up elements: with a rank-0 result, a sum to one number
 # (`OpTable.scalar_results`).
-SUMS = frozenset({"reduce_sum", "dot_general"})
+SUMS = frozenset({"reduce_sum"})
+# Products that add up products: with a rank-0 result, two vectors multiplied to one number.
+DOT_PRODUCTS = frozenset({"dot_general"})
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 # What one torch kernel computes from its inputs, as a chain of primitives.

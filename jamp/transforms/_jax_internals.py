@@ -24,6 +24,7 @@ ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
+Var = jex_core.Var
 
 # Needed for equation source info (name stacks carry autocast regions) and for re-wrapping the
 # lazily traced derivative rules of custom_jvp/custom_vjp, which are `lu.WrappedFun`s.
@@ -53,6 +54,11 @@ def trace_closed(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
     part of the type (a replicated operand meeting a varying one is an error otherwise).
     """
     return jax.make_jaxpr(fn)(*map(_spec, avals))
+
+
+def eval_closed(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """Evaluates a closed jaxpr on `args`, binding on the current trace."""
+    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
 def _spec(aval) -> jax.ShapeDtypeStruct:
@@ -122,10 +128,42 @@ def bind(eqn: JaxprEqn, params: dict, invals: Sequence[Any]) -> list[Any]:
     """Binds `eqn.primitive` with `params` (which may differ from `eqn.params`) and returns a
     list of outputs. `get_bind_params` turns stored params into bind-time ones (adding the
     `subfuns` of primitives that carry functions: custom_jvp_call, custom_vjp_call); in every jax
-    jamp supports it returns one dict (jax 0.9.0 and older returned `(subfuns, params)`)."""
+    jamp supports it returns one dict (jax 0.9.0 and older returned `(subfuns, params)`).
+    A scatter (see `retypeable_scatter`) whose operand changed dtype is bound through lax's
+    function, which types its update computation for the new dtype."""
     prim = eqn.primitive
+    if (prim.name in _SCATTER_FUNCTIONS and invals[0].dtype != eqn.invars[0].aval.dtype
+            and retypeable_scatter(eqn)):
+        return [_SCATTER_FUNCTIONS[prim.name](
+            *invals, params["dimension_numbers"], indices_are_sorted=params["indices_are_sorted"],
+            unique_indices=params["unique_indices"], mode=params["mode"])]
     out = prim.bind(*invals, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]
+
+
+# Scatters whose update computation is lax's own: none (`scatter` sets) or the one binary op
+# of the same name.
+_SCATTER_FUNCTIONS = {"scatter": lax.scatter, "scatter-add": lax.scatter_add,
+                      "scatter-sub": lax.scatter_sub, "scatter-mul": lax.scatter_mul,
+                      "scatter-min": lax.scatter_min, "scatter-max": lax.scatter_max}
+
+
+def retypeable_scatter(eqn: JaxprEqn) -> bool:
+    """A scatter that sets, adds, subtracts, multiplies or takes extremes, as `.at[]` and the
+    gradients of gathers write them: lax re-types its update computation for other dtypes. A
+    computation of the user's (`.at[].apply`) is typed for the traced dtypes."""
+    name = eqn.primitive.name
+    if name not in _SCATTER_FUNCTIONS:
+        return False
+    body = eqn.params.get("update_jaxpr")
+    body = getattr(body, "jaxpr", body)
+    if name == "scatter":
+        return body is None
+    op = name.removeprefix("scatter-")
+    return (body is not None and not eqn.params.get("update_consts")
+            and len(body.eqns) == 1 and body.eqns[0].primitive.name == op
+            and list(body.eqns[0].invars) == list(body.invars)
+            and list(body.eqns[0].outvars) == list(body.outvars))
 
 
 # -- primitive params (their names are not a public API and change between versions) ---------
@@ -511,6 +549,13 @@ def scan_parts(params: dict) -> tuple[ClosedJaxpr, int, int, dict]:
     if "_split_transpose" in params:
         options["_split_transpose"] = params["_split_transpose"]
     return (_as_closed(params["jaxpr"]), params["num_consts"], params["num_carry"], options)
+
+
+def while_parts(params: dict) -> tuple[ClosedJaxpr, ClosedJaxpr, int, int]:
+    """A while equation's condition and body, and their numbers of consts (the equation's
+    inputs are the condition's consts, the body's, then the carries)."""
+    return (_as_closed(params["cond_jaxpr"]), _as_closed(params["body_jaxpr"]),
+            params["cond_nconsts"], params["body_nconsts"])
 
 
 def is_backward(eqn: JaxprEqn) -> bool:

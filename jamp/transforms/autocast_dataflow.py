@@ -1,5 +1,6 @@
 """What autocast needs to know about a jaxpr before it evaluates it: which equations compute the
-operands of a float32 op, and so run in float32 themselves.
+operands of a float32 op, and so run in float32 themselves, and where a normalization's kernel
+ends (see `Plan`).
 
 torch decides dtypes per ATen kernel: `layer_norm`, `softmax` or `mse_loss` read their inputs and
 compute everything inside in float32, and torch's norm kernels compute their statistics in float32
@@ -10,44 +11,95 @@ of a chain that would otherwise run in the low dtype: the variance `E[x^2] - E[x
 elementwise, structural and reduction ops that produce its operands, up to the values the chain
 starts from: a value that other ops also use at full size (an activation, the residual stream)
 stays as it is and is cast to float32 where the chain reads it, so only the kernel's inside
-changes. Reads by the backward pass (a `jax.grad` inside the transformed function) and by the
-caller (values returned beside a loss) do not count as such uses. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
+changes. Reads by the backward pass (a `jax.grad` inside the transformed function), by tests
+(comparisons, `isnan`) and by the caller (values returned beside a loss) do not count as such
+uses. Reduced values (statistics: means, variances, maxima) are small: once demanded, they are
 computed in float32 for every use. A nested `jit` (or custom_jvp, remat) on the chain takes
 float32 inputs: given those, its elementwise ops run in float32 (its matmuls still lower), and
-many jnp functions (`jnp.clip`, `jnp.where`) are such jits. A matmul that asks for full precision
+many jnp functions (`jnp.clip`, `jnp.where`) are such jits; one whose own chains start from an
+input demands that input, as if inlined. A matmul that asks for full precision
 (`precision=HIGHEST`, as `jnp.linalg`'s composites write their inner matmuls) is a float32 op too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import Counter
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER
-from jamp.policy.primitives import CALLS, CHAIN, ELEMENTWISE, REDUCTIONS, SUMS
+import numpy as np
+
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
+from jamp.policy.primitives import (
+    CALLS, CHAIN, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SUMS)
 from jamp.transforms import _jax_internals as jx
-from jamp.transforms.autocast_rules import Region, is_castable, is_floating
+from jamp.transforms.autocast_rules import (
+    Region, apply_markers, is_castable, is_floating, parse_markers)
 
 
-def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[int]:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What autocast evaluates a jaxpr with.
+
+    Attributes:
+      float32: indices of the equations that compute in float32.
+      exits: results of a normalization kernel (see `normalization_kernels`) that leave it in
+        the dtype of the activation it normalized, each with the kernel's full-size inputs:
+        the result takes their widest current dtype when that is below float32.
+    """
+
+    float32: frozenset[int]
+    exits: Mapping[jx.Var, tuple[jx.Var, ...]]
+
+
+def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
+    """The float32 equations of `jaxpr` (see `float32_equations`), and its normalization
+    kernels' results (see `normalization_kernels`)."""
+    float32 = float32_equations(jaxpr, regions)
+    epilogue, exits = normalization_kernels(jaxpr, regions, float32)
+    while epilogue:
+        # The ops that finish a normalization read its operands in float32 too (flax's
+        # RMSNorm centres by a constant zero mean outside the statistics' chain).
+        float32 = float32_equations(jaxpr, regions, float32 | epilogue)
+        epilogue, exits = normalization_kernels(jaxpr, regions, float32)
+    return Plan(float32, exits)
+
+
+def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region],
+                      demanding: frozenset[int] = frozenset()) -> frozenset[int]:
     """Indices of the equations that compute in float32: float32 ops and the chains feeding them.
 
     Args:
       jaxpr: the program.
       regions: the autocast region of each equation.
+      demanding: equations that compute in float32 for another reason (a normalization's
+        epilogue): they demand float32 operands as float32 ops do.
     """
+    return _chains(jaxpr, regions, demanding)[0]
+
+
+def _chains(jaxpr: jx.Jaxpr, regions: Sequence[Region], demanding: frozenset[int] = frozenset()
+            ) -> tuple[frozenset[int], tuple[bool, ...]]:
+    """`float32_equations`, and for each input of the jaxpr whether the chains start there
+    (every use of it computes in float32)."""
     eqns = jaxpr.eqns
-    # Two kinds of reader take a chain's float32 value without spreading float32 further, so
+    # Three kinds of reader take a chain's float32 value without spreading float32 further, so
     # they do not keep a value out of a chain: the backward pass (a `jax.grad` inside the
     # transformed function reads the forward's results, as torch's backward kernels read the
-    # forward's float32 ones) and the caller (a loss's per-example values returned beside
-    # it: outputs go back in their traced dtypes). Only the forward's own uses can.
+    # forward's float32 ones), tests (comparisons, `isnan`, `argmax`: they compute no floating
+    # value) and the caller (a loss's per-example values returned beside it: outputs go back
+    # in their traced dtypes). Only the forward's own floating uses can.
     backward = [jx.is_backward(eqn) for eqn in eqns]
     from_backward = {v for eqn, b in zip(eqns, backward, strict=True) if b for v in eqn.outvars}
+    tests = [not any(_castable(v) or is_floating(v.aval) for v in eqn.outvars)
+             and eqn.primitive.name not in CALLS for eqn in eqns]
 
     def counted(i: int) -> list:
         """The inputs of equation `i` whose use counts: a backward equation's reads of forward
-        values are left out."""
+        values, and a test's reads, are left out."""
+        if tests[i]:
+            return []
         return [v for v in eqns[i].invars
                 if _is_var(v) and (not backward[i] or v in from_backward)]
 
@@ -63,10 +115,29 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
 
     seeds = {i for i, (eqn, region) in enumerate(zip(eqns, regions, strict=True))
              if _is_seed(eqn, region) and any(_castable(v) for v in eqn.outvars)}
+    float32_ops = set(seeds)
+    seeds |= demanding
     # An op that combines a float32 op's result with other values computes in float32 anyway
     # (it promotes): `shifted - log(sum(exp(shifted)))` in log_softmax, `max(x, 0) +
-    # log1p(...)` in softplus. Its other operands belong to the same kernel.
-    float32_results = {v for i in seeds for v in eqns[i].outvars}
+    # log1p(...)` in softplus. Its other operands belong to the same kernel, and so do those
+    # of the ops that go on computing from its result (softplus selects `x + 0` where its
+    # input is NaN). A normalization's statistics (`FP32_STATISTICS`) reach only the ops
+    # that apply them: its kernel ends where `normalization_kernels` says. Moves pass a
+    # result on; explicit casts end it.
+    float32_results = {v for i in float32_ops for v in eqns[i].outvars}
+    spreading = {v for i in float32_ops if _rule(eqns[i], regions[i]) != FP32_STATISTICS
+                 for v in eqns[i].outvars}
+    for i, eqn in enumerate(eqns):
+        name = eqn.primitive.name
+        if backward[i] or name == "convert_element_type" or not (
+                name in ELEMENTWISE or name in MOVES):
+            continue
+        reads = {v for v in eqn.invars if _is_var(v)}
+        if reads & spreading:
+            spreading.update(eqn.outvars)
+            float32_results.update(eqn.outvars)
+        elif name in MOVES and reads & float32_results:
+            float32_results.update(eqn.outvars)
 
     result = set()
     for i in reversed(range(len(eqns))):
@@ -75,15 +146,41 @@ def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> frozenset[i
             continue
         name = eqn.primitive.name
         rule = region.table.rule(name, sums_to_scalar(eqn))
+        starts = _starts_in_body(eqn, region) if name in CALLS else ()
         feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32) and (
-            any(demanded(v) for v in eqn.outvars)
+            any(demanded(v) for v in eqn.outvars) or any(starts)
             or (name in ELEMENTWISE and any(_is_var(v) and v in float32_results
                                             for v in eqn.invars))))
         if not (i in seeds or feeds):
             continue
         result.add(i)
-        demanded_uses.update(v for v in counted(i) if _castable(v))
-    return frozenset(result)
+        if starts and not any(demanded(v) for v in eqn.outvars):
+            # Only the inputs the call's own chains start from are demanded, as if inlined.
+            demanded_uses.update(v for v, start in zip(eqn.invars, starts, strict=True)
+                                 if start and _is_var(v) and _castable(v) and not tests[i])
+        else:
+            demanded_uses.update(v for v in counted(i) if _castable(v))
+    return frozenset(result), tuple(demanded(v) for v in jaxpr.invars)
+
+
+def _starts_in_body(eqn, region: Region) -> tuple[bool, ...]:
+    """For each input of a call (`jit`, custom_jvp, remat), whether a float32 chain inside
+    starts from it: a nested jit is transparent, as if inlined (`jnp.linalg.norm(a - b)` of
+    float16 values computes `a - b` in float32 where the norm is a float32 op)."""
+    body = jx.call_body(eqn).jaxpr
+    if len(body.invars) != len(eqn.invars):
+        return (False,) * len(eqn.invars)
+    return _body_starts(body, region)
+
+
+@functools.lru_cache(maxsize=4096)
+def _body_starts(body: jx.Jaxpr, region: Region) -> tuple[bool, ...]:
+    regions = [apply_markers(region, parse_markers(str(jx.name_stack(e)))) for e in body.eqns]
+    return _chains(body, regions)[1]
+
+
+def _rule(eqn, region: Region):
+    return region.table.rule(eqn.primitive.name, sums_to_scalar(eqn))
 
 
 def _is_seed(eqn, region: Region) -> bool:
@@ -93,12 +190,124 @@ def _is_seed(eqn, region: Region) -> bool:
     if not region.enabled:
         return False
     rule = region.table.rule(eqn.primitive.name, sums_to_scalar(eqn))
-    return rule == FP32 or (rule == LOWER and jx.asks_full_precision(eqn.params))
+    return rule in (FP32, FP32_STATISTICS) or (
+        rule == LOWER and jx.asks_full_precision(eqn.params))
+
+
+# The ops a normalization kernel applies its statistics and its affine parameters with.
+_APPLIES = frozenset({"add", "add_any", "sub", "mul", "div"})
+
+
+def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: frozenset[int]
+                          ) -> tuple[frozenset[int], dict]:
+    """The equations that finish a normalization in float32, and the kernels' results.
+
+    torch's CPU normalization kernels (`layer_norm`, `group_norm`, `batch_norm`, `rms_norm`)
+    read a bfloat16 activation and float32 parameters, compute in float32, and return bfloat16:
+    one rounding, at the end. In a jaxpr, a normalization is a `FP32_STATISTICS` op (`rsqrt`)
+    with the float32 chain that computes its statistics (see `float32_equations`); the kernel is
+    the float32 equations joined to it, and the ops that finish the normalization from there:
+    those that combine the kernel's values with its own inputs (`x - mean`), with smaller
+    values (a scale, a shift, statistics) or with each other, and moves. An op that also reads
+    another full-size value (a residual) or applies a function (an activation) is not part of
+    it. A kernel's full-size results read outside it leave in the activation's dtype; its
+    statistics (a running mean) stay float32.
+
+    Returns:
+      (the kernels' equations not already in `float32`, their exits (see `Plan.exits`)).
+    """
+    eqns = jaxpr.eqns
+    forward = [not jx.is_backward(eqn) for eqn in eqns]
+    seeds = [i for i in float32 if forward[i] and regions[i].table.rule(
+        eqns[i].primitive.name, sums_to_scalar(eqns[i])) == FP32_STATISTICS]
+    if not seeds:
+        return frozenset(), {}
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    parent = {i: i for i in float32 if forward[i]}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in parent:
+        for v in eqns[i].invars:
+            j = producer.get(v) if _is_var(v) else None
+            if j in parent:
+                parent[root(i)] = root(j)
+    roots = {root(i) for i in seeds}
+    kernel = {i for i in parent if root(i) in roots}
+    produced = {v for i in kernel for v in eqns[i].outvars}
+    entries = {v for i in kernel for v in eqns[i].invars
+               if _is_var(v) and v not in produced and _castable(v)}
+    origin = _origin_sizes(jaxpr)
+    # The kernel's inputs, and values computed from them with smaller ones (flax's RMSNorm
+    # subtracts a zero mean outside the statistics' chain): the other operand an op finishing
+    # the normalization may read.
+    near = set(entries)
+    epilogue = set()
+    for i, eqn in enumerate(eqns):
+        name = eqn.primitive.name
+        if (i in kernel or not forward[i] or not regions[i].enabled
+                or name not in _APPLIES and (name not in MOVES or name == "convert_element_type")):
+            continue
+        inputs = [v for v in eqn.invars if _is_var(v) and _castable(v)]
+        size = _size(eqn.outvars[0])
+        own = [v for v in inputs if v in produced]
+        # Statistics (or a scale made of them) applied to a full-size value make it the
+        # activation being normalized: flax's BatchNorm in eval mode centres `x` by its
+        # running mean outside the chain, then multiplies by `rsqrt(var) * scale`.
+        applies = bool(own) and name in _APPLIES and all(_size(v) < size for v in own)
+        if not applies and not all(
+                v in produced or v in near or origin.get(v, size) < size for v in inputs):
+            continue
+        if own:
+            epilogue.add(i)
+            produced.update(eqn.outvars)
+            entries.update(v for v in inputs if v not in produced)
+        elif any(v in near for v in inputs):
+            near.update(eqn.outvars)
+    kernel |= epilogue
+    read_outside = {v for i, eqn in enumerate(eqns) if forward[i] and i not in kernel
+                    for v in eqn.invars if _is_var(v)}
+    read_outside.update(v for v in jaxpr.outvars if _is_var(v))
+    # Values computed from an activation at its size (not statistics, nor a scale broadcast
+    # from a statistic and a weight).
+    derived = {e for e in entries if origin.get(e) == _size(e)}
+    exits = {}
+    for i in sorted(kernel):
+        for v in eqns[i].outvars:
+            if not any(_is_var(a) and a in derived and _size(a) == _size(v)
+                       for a in eqns[i].invars):
+                continue
+            derived.add(v)
+            activations = tuple(e for e in entries if origin.get(e) == _size(v)
+                                and producer.get(e, -1) < i)
+            if v in read_outside and _castable(v) and activations:
+                exits[v] = activations
+    return frozenset(epilogue - float32), exits
+
+
+def _origin_sizes(jaxpr: jx.Jaxpr) -> dict:
+    """Each value's size before it was moved or broadcast (a bias broadcast to an activation's
+    shape is smaller there)."""
+    origin = {v: _size(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        inputs = [origin[v] for v in eqn.invars if _is_var(v) and v in origin]
+        for v in eqn.outvars:
+            origin[v] = (min(inputs, default=1) if eqn.primitive.name in MOVES
+                         else _size(v))
+    return origin
+
+
+def _size(var) -> int:
+    return int(np.prod(getattr(var.aval, "shape", ())))
 
 
 def sums_to_scalar(eqn) -> bool:
-    """A sum of arrays to one number: a loss's final mean, a dot product, a trace."""
-    return (eqn.primitive.name in SUMS and all(not v.aval.shape for v in eqn.outvars)
+    """A reduction of arrays to one number: a loss's final mean, a trace, a dot product."""
+    return (eqn.primitive.name in SUMS | DOT_PRODUCTS and all(not v.aval.shape for v in eqn.outvars)
             and any(_castable(v) and v.aval.shape for v in eqn.invars if _is_var(v)))
 
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp.policy import primitives
-from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, LOWER, OpTable, autocast_table
+from jamp.policy.autocast_tables import (
+    ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
 from jamp.policy.dtypes import canonical_floating_dtype
 
 MARKER_PREFIX = "jamp_autocast"
@@ -29,12 +30,12 @@ FLOAT32 = np.dtype(jnp.float32)
 CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
 
-# Primitives whose params hold jaxprs or computations typed for the traced dtypes (scatter's
-# update computation, generic reduce/reduce_window bodies): they run in the traced dtypes. So do
-# primitives whose params declare their result types (callbacks, FFI calls), which the
-# interpreter recognizes by their params.
+# Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
+# reduce/reduce_window bodies): they run in the traced dtypes. So do primitives whose params
+# declare their result types (callbacks, FFI calls), and scatters with a computation of the
+# user's (`.at[].apply`), which the interpreter recognizes by their params. Scatters that set,
+# add, multiply or take extremes are re-typed for the dtypes they run in.
 PINNED = frozenset({
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
     "select_and_gather_add", "argsort",
 })
@@ -205,6 +206,11 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     if fixed is not None and not any(
             ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands, strict=True)):
         return [fixed if ok else None for ok in castable]
+    if primitive_name in primitives.SCATTERS:
+        # A scatter runs in the dtype of its destination and values together (torch's
+        # index_put, index_copy and scatter_add promote): a constant destination leads too, so
+        # a gather's gradient accumulates into its float32 zeros.
+        operands = [dataclasses.replace(operands[0], follows=False), *operands[1:]]
     # A constant the low dtype cannot represent saturates at its finite range (its nearest
     # value) in an op that passes it through; any other op computes in the constant's dtype.
     return _promote(operands, castable, saturate=primitive_name in primitives.SELECTIONS)
@@ -233,7 +239,7 @@ def _fixed_dtype(primitive_name: str, region: Region, scalar_result: bool = Fals
         return None
     if rule == LOWER:
         return region.dtype
-    if rule == FP32:
+    if rule in (FP32, FP32_STATISTICS):
         return FLOAT32
     return np.dtype(rule)
 

@@ -7,14 +7,16 @@ primitive, so structure, custom derivative rules and loop carry types survive:
 - `jit` (and `closed_call`), `checkpoint`/`remat`, `shard_map`, `custom_jvp_call`: the body is
   transformed for the current input dtypes and may return lower-precision values, as the same
   ops would inline; a custom_jvp's rule is transformed for the same dtypes.
-- `scan`, `while`, `cond`, `custom_vjp_call`: the body is transformed with its interface kept
-  (inputs and outputs in the traced dtypes), because carries must keep their type and the
-  user's bwd was written for those dtypes. The user's fwd is transformed like the body; the
-  user's bwd runs with autocast off (torch's rule for custom backward functions) unless it is
-  wrapped in `jamp.custom_bwd`.
+- `scan`, `while`: the carries take the dtypes the body gives them once those settle (see
+  `_settled`); the loop keeps its traced interface otherwise.
+- `cond`, `custom_vjp_call`: the body is transformed with its interface kept (inputs and
+  outputs in the traced dtypes): branches must agree, and the user's bwd was written for those
+  dtypes. The user's fwd is transformed like the body; the user's bwd runs with autocast off
+  (torch's rule for custom backward functions) unless it is wrapped in `jamp.custom_bwd`.
 
 Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
-of a float32 op (they run in float32 too). While it is evaluated, the interpreter keeps facts
+of a float32 op (they run in float32 too) and the results of normalization kernels (cast to
+their activation's dtype as they leave). While it is evaluated, the interpreter keeps facts
 about values (`_Frame`): which are scalar-like (literals and what is broadcast from them: they
 follow the other operand), which are constants of the program (such a constant never rounds to
 infinity in the low dtype), which are weights (inputs, moved or reshaped), and which hold the
@@ -73,11 +75,12 @@ class Context:
             self.regions[key] = found
         return found
 
-    def plan(self, jaxpr: jx.Jaxpr, region: Region) -> tuple[tuple[Region, ...], frozenset]:
+    def plan(self, jaxpr: jx.Jaxpr, region: Region
+             ) -> tuple[tuple[Region, ...], dataflow.Plan]:
         key = (jaxpr, region)
         if key not in self.plans:
             regions = tuple(self.region_for(region, eqn) for eqn in jaxpr.eqns)
-            self.plans[key] = regions, dataflow.float32_equations(jaxpr, regions)
+            self.plans[key] = regions, dataflow.plan(jaxpr, regions)
         return self.plans[key]
 
 
@@ -112,7 +115,8 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
     jaxpr's own consts (closed-over arrays the caller passes afresh).
     """
     jaxpr = closed.jaxpr
-    regions, float32 = ctx.plan(jaxpr, region)
+    regions, plan = ctx.plan(jaxpr, region)
+    float32 = plan.float32
     frame = _Frame(ctx.cache_enabled, ctx.substitutes)
     frame.bind(jaxpr.constvars, closed.consts if consts is None else consts)
     frame.bind(jaxpr.invars, args, constants)
@@ -125,12 +129,22 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
                           and frame.operand(a).castable else frame.read(a) for a in eqn.invars]
                 outs = rule(eqn, invals, regions[i], ctx,
                             [frame.constant(a) for a in eqn.invars])
-            elif jx.jaxprs_in_params(eqn.params):
+            elif jx.jaxprs_in_params(eqn.params) and not jx.retypeable_scatter(eqn):
                 outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
             else:
                 outs = _first_order(eqn, regions[i], frame, i in float32)
+        if plan.exits:
+            outs = [_leave_kernel(frame, plan.exits[v], o) if v in plan.exits else o
+                    for v, o in zip(eqn.outvars, outs, strict=True)]
         frame.env.update(zip(eqn.outvars, outs, strict=True))
     return [frame.read(v) for v in jaxpr.outvars]
+
+
+def _leave_kernel(frame: "_Frame", activations, value):
+    """A normalization's result, computed in float32, in the dtype of the activation it
+    normalized (see `autocast_dataflow.normalization_kernels`)."""
+    dtype = rules.widest(frame.read(a).dtype for a in activations)
+    return cast(value, dtype) if dtype in _BELOW_FP32 and value.dtype == rules.FLOAT32 else value
 
 
 class _Frame:
@@ -422,6 +436,17 @@ def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
     return ctx.jaxprs[key]
 
 
+def specialized_at(closed: jx.ClosedJaxpr, region: Region, ctx: Context, avals: Sequence[Any],
+                   constants: Sequence[Any]) -> jx.ClosedJaxpr:
+    """`specialized` for abstract inputs (a loop body's, typed by its carries and slices)."""
+    constants = tuple(constants)
+    key = ("specialized", closed, region, _avals_key(avals), constants)
+    if key not in ctx.jaxprs:
+        ctx.jaxprs[key] = jx.trace_closed(
+            lambda *args: eval_jaxpr(closed, args, region, ctx, constants), avals)
+    return ctx.jaxprs[key]
+
+
 def _weak_literal_avals(values) -> list[Any]:
     """Avals of the values passed into a sub-jaxpr; rank-0 literals (numpy scalars here) become
     weak-typed, so that inside the body they still follow the other operand."""
@@ -470,6 +495,81 @@ def _kept_rule(eqn, invals, region, ctx, constants):
         else:
             params[key] = interface_kept(value, region, ctx)
     return jx.bind(eqn, params, _to_traced(eqn, invals))
+
+
+def _scan_rule(eqn, invals, region, ctx, constants):
+    """A scan whose carries take the dtypes its body gives them (see `_settled`)."""
+    body, num_consts, num_carry, options = jx.scan_parts(eqn.params)
+    consts = invals[:num_consts]
+    init = invals[num_consts:num_consts + num_carry]
+    xs = invals[num_consts + num_carry:]
+    inner_constants = [*constants[:num_consts], *[None] * (len(invals) - num_consts)]
+    fixed = [jax.typeof(v) for v in consts]
+    x_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in xs]
+    settled = _settled(
+        lambda carries: specialized_at(body, region, ctx, [*fixed, *carries, *x_avals],
+                                       inner_constants), init)
+    if settled is None:
+        return _kept_rule(eqn, invals, region, ctx, constants)
+    closed, carry_avals = settled
+
+    def step(carry, x):
+        outs = jx.eval_closed(closed, [*consts, *carry, *x])
+        return outs[:num_carry], outs[num_carry:]
+
+    carry, ys = jax.lax.scan(step, cast_to_avals(init, carry_avals), xs, **options)
+    return [*carry, *ys]
+
+
+def _while_rule(eqn, invals, region, ctx, constants):
+    """A while loop whose carries take the dtypes its body gives them (see `_settled`); the
+    condition is transformed for the same dtypes."""
+    cond, body, cond_n, body_n = jx.while_parts(eqn.params)
+    cond_consts, body_consts = invals[:cond_n], invals[cond_n:cond_n + body_n]
+    init = invals[cond_n + body_n:]
+    body_fixed = [jax.typeof(v) for v in body_consts]
+    body_constants = [*constants[cond_n:cond_n + body_n], *[None] * len(init)]
+    settled = _settled(
+        lambda carries: specialized_at(body, region, ctx, [*body_fixed, *carries],
+                                       body_constants), init)
+    if settled is None:
+        return _kept_rule(eqn, invals, region, ctx, constants)
+    body_closed, carry_avals = settled
+    cond_closed = specialized_at(cond, region, ctx,
+                                 [*map(jax.typeof, cond_consts), *carry_avals],
+                                 [*constants[:cond_n], *[None] * len(init)])
+    return jax.lax.while_loop(
+        lambda carry: jx.eval_closed(cond_closed, [*cond_consts, *carry])[0],
+        lambda carry: jx.eval_closed(body_closed, [*body_consts, *carry]),
+        cast_to_avals(init, carry_avals))
+
+
+def _settled(trace_body: Callable, init: Sequence[Any]):
+    """A loop body traced for carries of the dtypes it returns them in, and those carries'
+    avals; None when they do not settle.
+
+    torch's recurrent layers (and a Python loop over lowered ops) return their states in the
+    low dtype; a JAX loop's carries must keep one type across iterations. Starting from the
+    initial carries' current dtypes, the body (`trace_body(carry_avals)`, its carries its
+    first outputs) is traced until the carries it returns have the dtypes it was given; the
+    initial carries are then cast to those. A carry that meets a float32 value (an
+    accumulator, a residual stream) settles in float32. A loop whose carries do not settle
+    keeps its traced interface (casts inside).
+    """
+    carry_avals = [jax.typeof(v) for v in init]
+    for _ in range(_CARRY_ROUNDS):
+        closed = trace_body(carry_avals)
+        returned = closed.out_avals[:len(carry_avals)]
+        if [a.dtype for a in returned] == [a.dtype for a in carry_avals]:
+            return closed, carry_avals
+        carry_avals = [a.update(dtype=r.dtype) if rules.is_castable(a.dtype) else a
+                       for a, r in zip(carry_avals, returned, strict=True)]
+    return None
+
+
+# How many times a loop body is traced for its carries' dtypes to settle (a carry the body
+# lowers settles in two: traced once in float32, once in the low dtype).
+_CARRY_ROUNDS = 3
 
 
 def _custom_jvp_rule(eqn, invals, region, ctx, constants):
@@ -544,8 +644,8 @@ HIGHER_ORDER_RULES: dict[str, Callable] = {
     "eval_jaxpr": _jit_rule,  # closed_call's name in jax after 0.11.0
     "remat2": _remat_rule,
     "shard_map": _shard_map_rule,
-    "scan": _kept_rule,
-    "while": _kept_rule,
+    "scan": _scan_rule,
+    "while": _while_rule,
     "cond": _kept_rule,
     "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _custom_vjp_rule,

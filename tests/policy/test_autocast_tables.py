@@ -37,6 +37,9 @@ EMITTED = {
     "lu": lambda x: jnp.linalg.solve(x @ x.T + jnp.eye(3), x),
     "qr": lambda x: jnp.linalg.qr(x)[0], "svd": lambda x: jnp.linalg.svd(x)[1],
     "eigh": lambda x: jnp.linalg.eigh(x @ x.T)[0],
+    "ormqr": lambda x: jax.lax.linalg.ormqr(x.T, x[:, 0], x.T),
+    "tridiagonal": lambda x: jax.lax.linalg.tridiagonal(x[:, :3] @ x[:, :3].T)[0],
+    "cholesky_update": lambda x: jax.lax.linalg.cholesky_update(jnp.eye(3), x[:, 0]),
     "fft": lambda x: jnp.fft.rfft(x).real,
 }
 

@@ -240,7 +240,8 @@ def test_non_floating_dtype_is_refused(bad):
 
 
 def test_bad_table_rule_is_refused():
-    with pytest.raises(ValueError, match="'lower', 'fp32', 'accumulate_fp32' or a floating dtype"):
+    accepted = "'lower', 'fp32', 'accumulate_fp32', 'fp32_statistics' or a floating dtype"
+    with pytest.raises(ValueError, match=accepted):
         autocast_table("cpu").updated({"exp": "int32"})
 
 

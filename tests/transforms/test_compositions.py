@@ -67,10 +67,14 @@ def test_while_and_fori(variant):
 
     g = cpu(f, cast_outputs=False)
     out = variant(g)(X, W)
-    assert out.dtype == F32
+    # Both bodies lower their carry (tanh and sin of a lowered matmul): the carries settle in
+    # bfloat16, as a Python loop over the same ops under torch's autocast would.
+    assert out.dtype == BF16
     jaxpr = jax.make_jaxpr(g)(X, W)
     # fori_loop with static bounds traces to a scan.
     assert len(jaxpr_eqns(jaxpr, "while")) == len(jaxpr_eqns(jaxpr, "scan")) == 1
+    loops = jaxpr_eqns(jaxpr, "while") + jaxpr_eqns(jaxpr, "scan")
+    assert [eqn_dtypes(e)[1][-1] for e in loops] == ["bfloat16", "bfloat16"]
     assert dot_types(g, X, W) == [("bfloat16",) * 3] * 2
     assert rel_err(out, f(X, W)) < 3e-2
     # fori_loop with static bounds is a scan and differentiable.

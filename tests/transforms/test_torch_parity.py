@@ -17,43 +17,41 @@ import torch_parity
 
 pytest.importorskip("torch")
 
-# Measured agreement on the cpu table; the target is 0.95 (see docs/autocast.md for
-# what stands between: pools, pads, norms and recurrent cells torch's CPU kernels treat by
-# name, which JAX builds from primitives torch leaves in bfloat16).
-CPU_FLOOR = 0.89
+# Measured agreement (386 of 415 on the cpu table, 159 of 170 on the cuda table); the issue's
+# target was 0.95. What stands between, and why, is in docs/autocast.md: kernels torch's lists
+# name that a jaxpr cannot tell from other code (pools, pads, vector products, recurrent
+# cells), and adds that are a kernel's input to torch and a residual or a mask in JAX.
+CPU_FLOOR = 0.93
+CUDA_FLOOR = 0.93
 
 CPU_DEVIATIONS = {
-    # Lower-list kernels whose JAX form is a matmul plus a full-size tensor or no matmul.
+    # Lower-list kernels whose JAX form is a matmul plus a full-size tensor, or no matmul.
     "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
     "prelu[float32]", "prelu[mixed]",
-    # Recurrent layers and cells: scan carries keep their type; torch's CPU cells are unlisted.
-    "mkldnn_rnn_layer[float32]", "mkldnn_rnn_layer[mixed]",
+    # torch's CPU autocast leaves its recurrent cells in float32; their JAX matmuls lower.
     "LSTMCell[float32]", "LSTMCell[mixed]", "GRUCell[float32]", "GRUCell[mixed]",
     # torch's CPU float32 list: pools, pads and sorts with no float32 primitive in JAX.
     "avg_pool3d[mixed]", "max_pool3d[mixed]", "adaptive_avg_pool3d[mixed]",
     "adaptive_max_pool3d[mixed]", "reflection_pad1d[mixed]", "reflection_pad2d[mixed]",
     "replication_pad1d[mixed]", "replication_pad2d[mixed]", "replication_pad3d[mixed]",
-    "quantile[mixed]", "nanquantile[mixed]", "ormqr[mixed]",
-    # Sums to one number compute in float32 (torch's losses); torch's norm and dot are unlisted.
-    "norm[mixed]", "dot[mixed]", "vdot[mixed]",
+    "quantile[mixed]", "nanquantile[mixed]",
+    # Sums to one number compute in float32 (torch's losses); torch's norm is unlisted.
+    "norm[mixed]",
     # optax's CTC alignment is one-hot matmuls, which lower.
     "ctc_loss[float32]", "ctc_loss[mixed]",
     # Matrix-vector products are dot_general like any matmul.
     "mv[float32]", "addmv[float32]", "bilinear[float32]",
-    # Normalizations compute in float32 and return float32 (rsqrt is float32 on this table).
-    "rsqrt[mixed]", "layer_norm[mixed]", "group_norm[mixed]", "batch_norm[mixed]",
-    "batch_norm_train[mixed]", "rms_norm[mixed]", "cosine_similarity[mixed]",
-    # Resampling and scatters run in the dtypes their programs were traced with.
-    "interpolate[mixed]", "index_put[mixed]", "scatter_add[mixed]",
+    # optax normalizes each input in its own dtype; torch promotes first.
+    "cosine_similarity[mixed]",
+    # jax.image.resize asks for full-precision matmuls, which are float32 ops.
+    "interpolate[mixed]",
 }
 
 CUDA_DEVIATIONS = {
     "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
     "addmv[float32]", "addr[float32]", "prelu[float32]", "prelu[mixed]",
-    "mkldnn_rnn_layer[float32]", "mkldnn_rnn_layer[mixed]",
     # integer_pow, square and div are not on the float32 list (see docs/autocast.md).
     "__pow__[mixed]", "reciprocal[mixed]", "__rtruediv__[mixed]",
-    "softplus[mixed]", "pdist[mixed]",
 }
 
 DOCS = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
@@ -83,6 +81,9 @@ def test_cuda_table_follows_torch_cuda_lists():
     new = {k: why for k, why in differ.items() if k not in CUDA_DEVIATIONS}
     assert not new, f"new disagreements with torch's CUDA lists: {new}"
     assert not CUDA_DEVIATIONS - set(differ), "listed deviations that now agree"
+    rate = 1 - len(differ) / len(verdicts)
+    print(f"cuda table: {len(verdicts) - len(differ)}/{len(verdicts)} hold ({rate:.1%})")
+    assert rate >= CUDA_FLOOR
 
 
 def test_every_deviation_is_documented():
