@@ -1,6 +1,6 @@
 """Dtypes and policies: jmp's `Policy`, pytree casts, Apex's opt levels, and autocast's op
 tables (`OpTable`, `autocast_table`, `DEFAULT_TABLES` and the rules `LOWER`, `FP32`,
-`ACCUMULATE_FP32`).
+`ACCUMULATE_FP32`, `FP32_STATISTICS`).
 
 `import jamp.policy as jmp` runs code written against jmp's policy API.
 """
@@ -9,6 +9,7 @@ from jamp.policy.autocast_tables import (
     ACCUMULATE_FP32,
     DEFAULT_TABLES,
     FP32,
+    FP32_STATISTICS,
     LOWER,
     OpTable,
     autocast_table,
@@ -27,7 +28,8 @@ from jamp.policy.opt_levels import (
 from jamp.policy.policy import Policy, get_policy
 
 __all__ = [
-    "ACCUMULATE_FP32", "DEFAULT_TABLES", "FP32", "LOWER", "OpTable", "autocast_table",
+    "ACCUMULATE_FP32", "DEFAULT_TABLES", "FP32", "FP32_STATISTICS", "LOWER", "OpTable",
+    "autocast_table",
     "AmpConfigurationWarning", "OPT_LEVELS", "OptLevel", "Policy", "Properties",
     "cast_floating", "cast_to_full", "cast_to_half", "dtype_to_names", "get_policy", "half_dtype",
     "is_floating_array", "name_to_dtype", "parse_dtype", "properties",

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from typing import Mapping, Sequence
 
-import numpy as np
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
 from jamp.policy.primitives import (
@@ -146,20 +146,20 @@ def _chains(jaxpr: jx.Jaxpr, regions: Sequence[Region], demanding: frozenset[int
             continue
         name = eqn.primitive.name
         rule = region.table.rule(name, sums_to_scalar(eqn))
-        starts = _starts_in_body(eqn, region) if name in CALLS else ()
         feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32) and (
-            any(demanded(v) for v in eqn.outvars) or any(starts)
+            any(demanded(v) for v in eqn.outvars)
             or (name in ELEMENTWISE and any(_is_var(v) and v in float32_results
                                             for v in eqn.invars))))
         if not (i in seeds or feeds):
+            if name in CALLS and region.enabled:
+                # A call whose own chains start from some inputs demands those, as if
+                # inlined; it is not a float32 op itself: its body casts what it reads.
+                starts = _starts_in_body(eqn, region)
+                demanded_uses.update(v for v, start in zip(eqn.invars, starts, strict=True)
+                                     if start and _is_var(v) and _castable(v))
             continue
         result.add(i)
-        if starts and not any(demanded(v) for v in eqn.outvars):
-            # Only the inputs the call's own chains start from are demanded, as if inlined.
-            demanded_uses.update(v for v, start in zip(eqn.invars, starts, strict=True)
-                                 if start and _is_var(v) and _castable(v) and not tests[i])
-        else:
-            demanded_uses.update(v for v in counted(i) if _castable(v))
+        demanded_uses.update(v for v in counted(i) if _castable(v))
     return frozenset(result), tuple(demanded(v) for v in jaxpr.invars)
 
 
@@ -241,7 +241,7 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
     produced = {v for i in kernel for v in eqns[i].outvars}
     entries = {v for i in kernel for v in eqns[i].invars
                if _is_var(v) and v not in produced and _castable(v)}
-    origin = _origin_sizes(jaxpr)
+    origin = _origins(jaxpr)
     # The kernel's inputs, and values computed from them with smaller ones (flax's RMSNorm
     # subtracts a zero mean outside the statistics' chain): the other operand an op finishing
     # the normalization may read.
@@ -253,14 +253,15 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
                 or name not in _APPLIES and (name not in MOVES or name == "convert_element_type")):
             continue
         inputs = [v for v in eqn.invars if _is_var(v) and _castable(v)]
-        size = _size(eqn.outvars[0])
+        out = eqn.outvars[0]
         own = [v for v in inputs if v in produced]
         # Statistics (or a scale made of them) applied to a full-size value make it the
         # activation being normalized: flax's BatchNorm in eval mode centres `x` by its
         # running mean outside the chain, then multiplies by `rsqrt(var) * scale`.
-        applies = bool(own) and name in _APPLIES and all(_size(v) < size for v in own)
+        applies = bool(own) and name in _APPLIES and all(
+            _broadcast(origin.get(v), out) for v in own)
         if not applies and not all(
-                v in produced or v in near or origin.get(v, size) < size for v in inputs):
+                v in produced or v in near or _broadcast(origin.get(v), out) for v in inputs):
             continue
         if own:
             epilogue.add(i)
@@ -274,35 +275,63 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
     read_outside.update(v for v in jaxpr.outvars if _is_var(v))
     # Values computed from an activation at its size (not statistics, nor a scale broadcast
     # from a statistic and a weight).
-    derived = {e for e in entries if origin.get(e) == _size(e)}
+    derived = {e for e in entries if origin.get(e) == _shape_key(e)}
+    by_size: dict = {}
+    for e in derived:
+        by_size.setdefault(_size(e), []).append(e)
     exits = {}
     for i in sorted(kernel):
         for v in eqns[i].outvars:
-            if not any(_is_var(a) and a in derived and _size(a) == _size(v)
+            size = _size(v)
+            if not any(_is_var(a) and a in derived and _size(a) == size
                        for a in eqns[i].invars):
                 continue
             derived.add(v)
-            activations = tuple(e for e in entries if origin.get(e) == _size(v)
-                                and producer.get(e, -1) < i)
-            if v in read_outside and _castable(v) and activations:
+            if v not in read_outside or not _castable(v):
+                continue
+            # Of the kernel's inputs with its result's size, those of the highest rank: a
+            # (1, D) activation, not the (D,) scale beside it.
+            same = [e for e in by_size.get(size, ()) if producer.get(e, -1) < i]
+            top = max((len(e.aval.shape) for e in same), default=0)
+            activations = tuple(e for e in same if len(e.aval.shape) == top)
+            if activations:
                 exits[v] = activations
     return frozenset(epilogue - float32), exits
 
 
-def _origin_sizes(jaxpr: jx.Jaxpr) -> dict:
-    """Each value's size before it was moved or broadcast (a bias broadcast to an activation's
-    shape is smaller there)."""
-    origin = {v: _size(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
+def _origins(jaxpr: jx.Jaxpr) -> dict:
+    """Each value's (size, rank) before it was moved or broadcast (a bias broadcast to an
+    activation's shape is smaller there, or of lower rank); elementwise math keeps the largest
+    of its operands' (a scale made of a broadcast variance and weight is still that small)."""
+    origin = {v: _shape_key(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
     for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
         inputs = [origin[v] for v in eqn.invars if _is_var(v) and v in origin]
         for v in eqn.outvars:
-            origin[v] = (min(inputs, default=1) if eqn.primitive.name in MOVES
-                         else _size(v))
+            if name in MOVES:
+                origin[v] = min(inputs, default=(1, 0))
+            elif name in ELEMENTWISE and inputs:
+                origin[v] = max(inputs)
+            else:
+                origin[v] = _shape_key(v)
     return origin
 
 
+def _shape_key(var) -> tuple[int, int]:
+    return _size(var), len(getattr(var.aval, "shape", ()))
+
+
+def _broadcast(origin: tuple[int, int] | None, out) -> bool:
+    """A value of this origin was broadcast to `out`'s shape: it had fewer elements or fewer
+    dimensions (a (D,) scale applied to a (1, D) batch of one)."""
+    if origin is None:
+        return True
+    size, rank = origin
+    return size < _size(out) or rank < len(getattr(out.aval, "shape", ()))
+
+
 def _size(var) -> int:
-    return int(np.prod(getattr(var.aval, "shape", ())))
+    return math.prod(getattr(var.aval, "shape", ()))
 
 
 def sums_to_scalar(eqn) -> bool:
@@ -337,3 +366,68 @@ def _is_var(atom) -> bool:
 
 def _castable(var) -> bool:
     return is_castable(getattr(var.aval, "dtype", None))
+
+
+# Ops a carry passes through unchanged in value on its way to being added to.
+_PASSES = (MOVES - {"convert_element_type"}) | {"select_n", "copy_p", "pvary"}
+_ADDS = frozenset({"add", "add_any", "sub"})
+
+
+def accumulating_carries(body: jx.Jaxpr, carry_in: Sequence[int], carry_out: Sequence[int]
+                         ) -> tuple[bool, ...]:
+    """For each carry of a loop body (its input and output positions), whether the body adds
+    to it: `y + dt * f(y)`, `total + x`, `t + dt`, a residual stream `x + block(x)`. Such a
+    carry keeps its traced dtype: carried in the low dtype, an accumulator stalls once its
+    steps are below its precision. A carry gated before it is added to (an LSTM's `f * c +
+    i * g`) or replaced (`tanh(h @ w)`) is not one."""
+    return tuple(_adds_to(body, body.outvars[o], {body.invars[i]}, _LOOKUP_DEPTH)
+                 for i, o in zip(carry_in, carry_out, strict=True))
+
+
+_LOOKUP_DEPTH = 32
+
+
+def _retypes(eqn) -> bool:
+    """A convert that only drops a weak type (jnp makes a weak carry strong before adding)."""
+    return (eqn.primitive.name == "convert_element_type"
+            and eqn.params["new_dtype"] == eqn.invars[0].aval.dtype)
+
+
+def _adds_to(jaxpr: jx.Jaxpr, atom, carry: set, depth: int) -> bool:
+    """Whether `atom` is an addition with an operand that is `carry` (passed through moves,
+    selections and nested calls)."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+    def root(a, steps=depth):
+        while _is_var(a) and a not in carry and steps > 0:
+            eqn = producers.get(a)
+            if eqn is None or not (eqn.primitive.name in MOVES - {"convert_element_type"}
+                                   or _retypes(eqn)):
+                return a
+            a, steps = eqn.invars[0], steps - 1
+        return a
+
+    def visit(a, steps):
+        if steps <= 0 or not _is_var(a):
+            return False
+        eqn = producers.get(a)
+        if eqn is None:
+            return False
+        name = eqn.primitive.name
+        if name in _ADDS:
+            return any(_is_var(v) and root(v) in carry for v in eqn.invars)
+        if name in _PASSES or _retypes(eqn):
+            return any(visit(v, steps - 1) for v in eqn.invars if _is_var(v)
+                       and is_floating(v.aval))
+        if name in CALLS:
+            body = jx.call_body(eqn).jaxpr
+            if len(body.invars) != len(eqn.invars):
+                return False
+            inner = {b for b, v in zip(body.invars, eqn.invars, strict=True)
+                     if _is_var(v) and root(v) in carry}
+            return bool(inner) and _adds_to(body, body.outvars[eqn.outvars.index(a)], inner,
+                                            steps - 1)
+        return False
+
+    return visit(atom, depth)
+

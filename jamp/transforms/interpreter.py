@@ -107,19 +107,22 @@ def _avals_key(avals) -> tuple:
 
 def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx: Context,
                constants: Sequence[np.generic | None] | None = None,
-               consts: Sequence[Any] | None = None) -> list[Any]:
+               consts: Sequence[Any] | None = None,
+               carries: frozenset[int] = frozenset()) -> list[Any]:
     """Evaluates `closed` on `args` with autocast, binding on whatever trace is current.
 
     `constants` gives, per argument, the largest finite magnitude of an argument known to be a
     constant of the enclosing program (None where it is not one). `consts` replaces the
-    jaxpr's own consts (closed-over arrays the caller passes afresh).
+    jaxpr's own consts (closed-over arrays the caller passes afresh). `carries`: positions of
+    a loop body's carries, which are the loop's values, never Python-scalar-like (a time or a
+    sum started from `0.0` does not follow what is added to it).
     """
     jaxpr = closed.jaxpr
     regions, plan = ctx.plan(jaxpr, region)
     float32 = plan.float32
     frame = _Frame(ctx.cache_enabled, ctx.substitutes)
     frame.bind(jaxpr.constvars, closed.consts if consts is None else consts)
-    frame.bind(jaxpr.invars, args, constants)
+    frame.bind(jaxpr.invars, args, constants, carries)
     for i, eqn in enumerate(jaxpr.eqns):
         rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
         with jx.equation_context(eqn):
@@ -157,21 +160,24 @@ class _Frame:
         self.casts: dict = {}
         self.constants: dict = {}    # var -> largest finite magnitude, for program constants
         self.scalar_like: set = set()  # rank-0 weak values and weak broadcasts of them
-        # Inputs of the jaxpr and values moved out of them, with the size of the input they
-        # come from (a bias broadcast to a layer's output is smaller there).
+        # Inputs of the jaxpr and values moved out of them, with the size and rank of the
+        # input they come from (a bias broadcast to a layer's output is smaller there).
         self.weights: dict = {}
         self.kernel: set = set()     # low values of a linear layer's kernel (see `_follower`)
+        self.carries: set = set()    # a loop body's carries: never scalar-like
 
-    def bind(self, variables, values, constants=None) -> None:
+    def bind(self, variables, values, constants=None, carries=frozenset()) -> None:
         self.env.update(zip(variables, values, strict=True))
-        for var, value, known in zip(variables, values, constants or [None] * len(values),
-                                      strict=True):
+        for i, (var, value, known) in enumerate(zip(
+                variables, values, constants or [None] * len(values), strict=True)):
             if known is None:
                 known = _scalar_constant(value)
             if known is not None:
                 self.constants[var] = known
-            self.weights[var] = _size(var)
-            if _weak_scalar(var.aval) or _weak_scalar(jax.typeof(value)):
+            self.weights[var] = _origin(var)
+            if i in carries:
+                self.carries.add(var)
+            elif _weak_scalar(var.aval) or _weak_scalar(jax.typeof(value)):
                 self.scalar_like.add(var)
 
     def read(self, atom):
@@ -195,6 +201,8 @@ class _Frame:
         constant of the program (`jnp.tril`'s zeros: a literal broadcast)."""
         if isinstance(atom, jx.Literal):
             return np.ndim(atom.val) == 0
+        if atom in self.carries:
+            return False
         return (atom in self.scalar_like or atom in self.constants or _weak_scalar(atom.aval)
                 or _weak_scalar(jax.typeof(self.env[atom])))
 
@@ -265,6 +273,18 @@ class _Frame:
 def _weak_scalar(aval) -> bool:
     return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
             and rules.is_floating(aval))
+
+
+def _origin(atom) -> tuple[int, int]:
+    """A value's size and rank, as `_Frame.weights` records them for a weight's origin."""
+    return _size(atom), len(atom.aval.shape)
+
+
+def _smaller(origin: tuple[int, int], atom) -> bool:
+    """A weight of this origin was broadcast to `atom`: it had fewer elements or dimensions
+    (a (D,) bias added to a (1, D) batch of one is one)."""
+    size, rank = origin
+    return size < _size(atom) or rank < len(atom.aval.shape)
 
 
 def _size(atom) -> int:
@@ -395,7 +415,7 @@ def _follower(eqn, frame: _Frame) -> int | None:
         return None
     for value, other in ((atoms[0], atoms[1]), (atoms[1], atoms[0])):
         if value in frame.kernel and other not in frame.kernel and other in frame.weights and (
-                name not in _ADDITIVE or frame.weights[other] < _size(eqn.outvars[0])):
+                name not in _ADDITIVE or _smaller(frame.weights[other], eqn.outvars[0])):
             return eqn.invars.index(other)
     return None
 
@@ -437,13 +457,15 @@ def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
 
 
 def specialized_at(closed: jx.ClosedJaxpr, region: Region, ctx: Context, avals: Sequence[Any],
-                   constants: Sequence[Any]) -> jx.ClosedJaxpr:
-    """`specialized` for abstract inputs (a loop body's, typed by its carries and slices)."""
+                   constants: Sequence[Any], carries: frozenset[int]) -> jx.ClosedJaxpr:
+    """`specialized` for a loop body: typed by its carries' and slices' avals, its `carries`
+    (positions) never scalar-like (see `eval_jaxpr`)."""
     constants = tuple(constants)
-    key = ("specialized", closed, region, _avals_key(avals), constants)
+    key = ("loop body", closed, region, _avals_key(avals), constants, carries)
     if key not in ctx.jaxprs:
         ctx.jaxprs[key] = jx.trace_closed(
-            lambda *args: eval_jaxpr(closed, args, region, ctx, constants), avals)
+            lambda *args: eval_jaxpr(closed, args, region, ctx, constants, carries=carries),
+            avals)
     return ctx.jaxprs[key]
 
 
@@ -506,9 +528,12 @@ def _scan_rule(eqn, invals, region, ctx, constants):
     inner_constants = [*constants[:num_consts], *[None] * (len(invals) - num_consts)]
     fixed = [jax.typeof(v) for v in consts]
     x_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in xs]
+    positions = range(num_consts, num_consts + num_carry)
+    adding = dataflow.accumulating_carries(body.jaxpr, positions, range(num_carry))
     settled = _settled(
         lambda carries: specialized_at(body, region, ctx, [*fixed, *carries, *x_avals],
-                                       inner_constants), init)
+                                       inner_constants, frozenset(positions)),
+        init, body.in_avals[num_consts:num_consts + num_carry], adding)
     if settled is None:
         return _kept_rule(eqn, invals, region, ctx, constants)
     closed, carry_avals = settled
@@ -517,7 +542,7 @@ def _scan_rule(eqn, invals, region, ctx, constants):
         outs = jx.eval_closed(closed, [*consts, *carry, *x])
         return outs[:num_carry], outs[num_carry:]
 
-    carry, ys = jax.lax.scan(step, cast_to_avals(init, carry_avals), xs, **options)
+    carry, ys = jax.lax.scan(step, _as_carries(init, carry_avals), xs, **options)
     return [*carry, *ys]
 
 
@@ -529,22 +554,27 @@ def _while_rule(eqn, invals, region, ctx, constants):
     init = invals[cond_n + body_n:]
     body_fixed = [jax.typeof(v) for v in body_consts]
     body_constants = [*constants[cond_n:cond_n + body_n], *[None] * len(init)]
+    positions = range(body_n, body_n + len(init))
+    adding = dataflow.accumulating_carries(body.jaxpr, positions, range(len(init)))
     settled = _settled(
         lambda carries: specialized_at(body, region, ctx, [*body_fixed, *carries],
-                                       body_constants), init)
+                                       body_constants, frozenset(positions)),
+        init, body.in_avals[body_n:], adding)
     if settled is None:
         return _kept_rule(eqn, invals, region, ctx, constants)
     body_closed, carry_avals = settled
     cond_closed = specialized_at(cond, region, ctx,
                                  [*map(jax.typeof, cond_consts), *carry_avals],
-                                 [*constants[:cond_n], *[None] * len(init)])
+                                 [*constants[:cond_n], *[None] * len(init)],
+                                 frozenset(range(cond_n, cond_n + len(init))))
     return jax.lax.while_loop(
         lambda carry: jx.eval_closed(cond_closed, [*cond_consts, *carry])[0],
         lambda carry: jx.eval_closed(body_closed, [*body_consts, *carry]),
-        cast_to_avals(init, carry_avals))
+        _as_carries(init, carry_avals))
 
 
-def _settled(trace_body: Callable, init: Sequence[Any]):
+def _settled(trace_body: Callable, init: Sequence[Any], traced: Sequence[Any],
+             adding: Sequence[bool]):
     """A loop body traced for carries of the dtypes it returns them in, and those carries'
     avals; None when they do not settle.
 
@@ -552,19 +582,28 @@ def _settled(trace_body: Callable, init: Sequence[Any]):
     low dtype; a JAX loop's carries must keep one type across iterations. Starting from the
     initial carries' current dtypes, the body (`trace_body(carry_avals)`, its carries its
     first outputs) is traced until the carries it returns have the dtypes it was given; the
-    initial carries are then cast to those. A carry that meets a float32 value (an
-    accumulator, a residual stream) settles in float32. A loop whose carries do not settle
-    keeps its traced interface (casts inside).
+    initial carries are then cast to those. A carry the body adds to (`adding`: an
+    accumulator, a time, a residual stream; see `autocast_dataflow.accumulating_carries`)
+    keeps its `traced` dtype: in the low dtype its small steps would be lost. A loop whose
+    carries do not settle keeps its traced interface (casts inside).
     """
-    carry_avals = [jax.typeof(v) for v in init]
+    carry_avals = [(t if add else jax.typeof(v)).update(weak_type=False)
+                   for v, t, add in zip(init, traced, adding, strict=True)]
     for _ in range(_CARRY_ROUNDS):
         closed = trace_body(carry_avals)
         returned = closed.out_avals[:len(carry_avals)]
         if [a.dtype for a in returned] == [a.dtype for a in carry_avals]:
             return closed, carry_avals
-        carry_avals = [a.update(dtype=r.dtype) if rules.is_castable(a.dtype) else a
-                       for a, r in zip(carry_avals, returned, strict=True)]
+        carry_avals = [a.update(dtype=r.dtype) if rules.is_castable(a.dtype) and not add else a
+                       for a, r, add in zip(carry_avals, returned, adding, strict=True)]
     return None
+
+
+def _as_carries(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    """Initial carries in their settled dtypes, strongly typed as the body takes them."""
+    return [lax.convert_element_type(v, a.dtype) if hasattr(v, "dtype")
+            and rules.is_castable(v.dtype) and rules.is_castable(a.dtype) else v
+            for v, a in zip(values, avals, strict=True)]
 
 
 # How many times a loop body is traced for its carries' dtypes to settle (a carry the body

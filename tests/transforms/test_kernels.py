@@ -250,3 +250,59 @@ def test_carry_that_does_not_settle_keeps_the_traced_interface(monkeypatch):
     types = _scan_types(jax.make_jaxpr(f)(variables, x))
     assert types and all(set(carries) == {"float32"} for carries, _ in types)
     assert rel_err(f(variables, x), model.apply(variables, x)) < 2e-2
+
+
+def test_accumulating_carries_keep_their_traced_dtype():
+    # Carried in bfloat16, an Euler integration or a sum started from 0.0 stalls once its
+    # steps are below bfloat16's precision; a carry the body adds to stays float32.
+    w_in, w = W64[:8, :32] * 0.3, W64[:32, :32] * 0.3
+    x = ACT[:4, :8]
+
+    def euler(w_in, w, x):
+        step = lambda y, _: (y + 1e-3 * jnp.tanh(y @ w), None)
+        return lax.scan(step, x @ w_in, None, length=500)[0]
+
+    def total(w, xs):
+        return lax.scan(lambda c, row: (c + (row @ w)[0], None), 0.0, xs)[0]
+
+    def clock(w, y):     # a time carried from 0.0 by a while loop
+        body = lambda c: (c[0] + 0.002 / (1 + jnp.max(jnp.abs(jnp.tanh(c[1] @ w)))), c[1],
+                          c[2] + 1)
+        return lax.while_loop(lambda c: (c[0] < 1.0) & (c[2] < 5000), body, (0.0, y, 0))[2]
+
+    assert rel_err(cpu(euler)(w_in, w, x), euler(w_in, w, x)) < 1e-2
+    xs = jnp.abs(ACT[:, :16]) * 0.1 + 0.5
+    steps = jnp.tile(xs, (64, 1))
+    assert rel_err(cpu(total)(W64[:16, :16], steps), total(W64[:16, :16], steps)) < 1e-2
+    assert abs(int(cpu(clock)(W64[:16, :16], xs[0])) - int(clock(W64[:16, :16], xs[0]))) < 20
+    carries = _scan_types(jax.make_jaxpr(cpu(euler))(w_in, w, x))[0][0]
+    assert carries == ["float32"]
+
+
+def test_norm_inside_a_jit_or_remat_returns_the_activation_dtype():
+    # A nested jit is transparent: the normalization inside reads the bfloat16 activation and
+    # returns bfloat16, as inline; the jit's other inputs are not widened.
+    ln = lambda h: (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+    for wrap in (lambda f: f, jax.jit, jax.checkpoint):
+        assert cpu(lambda x, w: wrap(ln)(x @ w))(ACT, W64).dtype == BF16
+
+    def head(logits, features):
+        return jax.nn.logsumexp(logits, -1), jax.nn.gelu(features)
+
+    for wrap in (lambda f: f, jax.jit, jax.checkpoint):
+        f = jamp.autocast(lambda x, w: wrap(head)(x @ w, x @ w), device_type="cuda",
+                          cast_outputs=False)
+        assert [o.dtype for o in f(ACT, W64)] == [F32, F16]
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_a_batch_of_one_is_a_batch(norm):
+    # A (D,) scale or bias broadcast to a (1, D) activation is a weight, not a residual.
+    model = DenseThenNorm(norm)
+    x = ACT[:1]
+    variables = model.init(jax.random.key(1), x)
+    out, _ = cpu(lambda v, x: model.apply(v, x, mutable=["batch_stats"]))(variables, x)
+    assert out.dtype == BF16
+    dense = nn.Dense(8)
+    params = dense.init(jax.random.key(1), x)
+    assert cpu(dense.apply)(params, x).dtype == BF16
