@@ -368,18 +368,24 @@ def _castable(var) -> bool:
     return is_castable(getattr(var.aval, "dtype", None))
 
 
-# Ops a carry passes through unchanged in value on its way to being added to.
-_PASSES = (MOVES - {"convert_element_type"}) | {"select_n", "copy_p", "pvary"}
-_ADDS = frozenset({"add", "add_any", "sub"})
+# Ops a carry passes through unchanged in value on its way to being added to (a scatter that
+# sets passes the values it writes).
+_PASSES = (MOVES - {"convert_element_type"}) | {
+    "select_n", "copy_p", "pvary", "stop_gradient", "scatter"}
+# Ops whose result is their first operand's values, moved.
+_SAME_VALUES = (MOVES - {"convert_element_type"}) | {"copy_p", "pvary", "stop_gradient"}
+# Additions: elementwise, and into a destination.
+_ADDS = frozenset({"add", "add_any", "sub", "scatter-add", "scatter-sub"})
 
 
 def accumulating_carries(body: jx.Jaxpr, carry_in: Sequence[int], carry_out: Sequence[int]
                          ) -> tuple[bool, ...]:
     """For each carry of a loop body (its input and output positions), whether the body adds
-    to it: `y + dt * f(y)`, `total + x`, `t + dt`, a residual stream `x + block(x)`. Such a
-    carry keeps its traced dtype: carried in the low dtype, an accumulator stalls once its
-    steps are below its precision. A carry gated before it is added to (an LSTM's `f * c +
-    i * g`) or replaced (`tanh(h @ w)`) is not one."""
+    to it: `y + dt * f(y)`, `total + x`, `t + dt`, a residual stream `x + attn(x) + mlp(...)`,
+    masked (`jnp.where(m, c + d, c)`) or clipped. Such a carry keeps its traced dtype: carried
+    in the low dtype, an accumulator stalls once its steps are below its precision. A carry
+    scaled or gated before it is added to (an LSTM's `f * c + i * g`, an average `0.9 * c +
+    x`) or replaced (`tanh(h @ w)`) is not one."""
     return tuple(_adds_to(body, body.outvars[o], {body.invars[i]}, _LOOKUP_DEPTH)
                  for i, o in zip(carry_in, carry_out, strict=True))
 
@@ -394,18 +400,21 @@ def _retypes(eqn) -> bool:
 
 
 def _adds_to(jaxpr: jx.Jaxpr, atom, carry: set, depth: int) -> bool:
-    """Whether `atom` is an addition with an operand that is `carry` (passed through moves,
-    selections and nested calls)."""
+    """Whether `atom` is a sum with `carry` among its terms: additions whose operands are
+    `carry` or further additions, passed through moves, selections and nested calls (a call
+    that only selects its inputs, as `jnp.where` and `jnp.clip` do, passes them on)."""
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
     def root(a, steps=depth):
         while _is_var(a) and a not in carry and steps > 0:
             eqn = producers.get(a)
-            if eqn is None or not (eqn.primitive.name in MOVES - {"convert_element_type"}
-                                   or _retypes(eqn)):
+            if eqn is None or not (eqn.primitive.name in _SAME_VALUES or _retypes(eqn)):
                 return a
             a, steps = eqn.invars[0], steps - 1
         return a
+
+    def floating(eqn):
+        return [v for v in eqn.invars if _is_var(v) and is_floating(v.aval)]
 
     def visit(a, steps):
         if steps <= 0 or not _is_var(a):
@@ -415,19 +424,41 @@ def _adds_to(jaxpr: jx.Jaxpr, atom, carry: set, depth: int) -> bool:
             return False
         name = eqn.primitive.name
         if name in _ADDS:
-            return any(_is_var(v) and root(v) in carry for v in eqn.invars)
+            return any(root(v) in carry or visit(v, steps - 1) for v in floating(eqn))
         if name in _PASSES or _retypes(eqn):
-            return any(visit(v, steps - 1) for v in eqn.invars if _is_var(v)
-                       and is_floating(v.aval))
+            return any(visit(v, steps - 1) for v in floating(eqn))
         if name in CALLS:
             body = jx.call_body(eqn).jaxpr
             if len(body.invars) != len(eqn.invars):
                 return False
+            out = body.outvars[eqn.outvars.index(a)]
             inner = {b for b, v in zip(body.invars, eqn.invars, strict=True)
                      if _is_var(v) and root(v) in carry}
-            return bool(inner) and _adds_to(body, body.outvars[eqn.outvars.index(a)], inner,
-                                            steps - 1)
+            if inner and _adds_to(body, out, inner, steps - 1):
+                return True
+            # The body may pass an input through (a selection): go on outside from there.
+            return any(visit(v, steps - 1) for b, v in zip(body.invars, eqn.invars, strict=True)
+                       if _is_var(v) and is_floating(v.aval) and _passes(body, out, b, steps))
         return False
 
     return visit(atom, depth)
 
+
+def _passes(jaxpr: jx.Jaxpr, atom, invar, depth: int) -> bool:
+    """Whether `atom` may be `invar` passed through moves and selections (`jnp.where`'s
+    body returns one of its inputs)."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    pending, seen = [atom], set()
+    while pending and depth > 0:
+        a = pending.pop()
+        if a is invar:
+            return True
+        if not _is_var(a) or a in seen:
+            continue
+        seen.add(a)
+        depth -= 1
+        eqn = producers.get(a)
+        if eqn is not None and (eqn.primitive.name in _PASSES | {"max", "min", "clamp"}
+                                or _retypes(eqn)):
+            pending.extend(v for v in eqn.invars if _is_var(v) and is_floating(v.aval))
+    return False

@@ -226,7 +226,7 @@ def test_recurrent_states_take_the_low_dtype():
 
 
 def test_accumulating_carry_settles_in_float32():
-    # A carry that meets a float32 value (a running sum, a residual) stays float32.
+    # A carry the body adds to (here a running sum of bfloat16 terms) stays float32.
     def f(x, w):
         def step(acc, row):
             return acc + jnp.tanh(row @ w), None
@@ -277,6 +277,52 @@ def test_accumulating_carries_keep_their_traced_dtype():
     assert abs(int(cpu(clock)(W64[:16, :16], xs[0])) - int(clock(W64[:16, :16], xs[0]))) < 20
     carries = _scan_types(jax.make_jaxpr(cpu(euler))(w_in, w, x))[0][0]
     assert carries == ["float32"]
+
+
+@pytest.mark.parametrize("update", [
+    lambda c, d, m: c + d + d,                      # two residual adds in one step
+    lambda c, d, m: jnp.where(m, c + d, c),         # a masked (padded) step: a jit
+    lambda c, d, m: jnp.clip(c + d, -10.0, 10.0),   # a clipped step: a jit
+    lambda c, d, m: lax.stop_gradient(c) + d,
+    lambda c, d, m: c.at[:].add(d),
+], ids=["two_adds", "where", "clip", "stop_gradient", "scatter_add"])
+def test_accumulators_written_other_ways_keep_float32(update):
+    w = W64[:16, :16] * 0.1
+    x0, mask = ACT[:4, :16], jnp.arange(300) % 7 != 0
+
+    def f(x0, w, mask):
+        def step(c, m):
+            return update(c, 1e-3 * jnp.tanh(c @ w), m), None
+        return lax.scan(step, x0 @ w, mask)[0]
+
+    g = cpu(f)
+    assert _scan_types(jax.make_jaxpr(g)(x0, w, mask))[0][0] == ["float32"]
+    assert rel_err(g(x0, w, mask), f(x0, w, mask)) < 1e-2
+
+
+def test_scanned_transformer_blocks_carry_their_residual_stream_in_float32():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+            x = x + nn.Dense(32)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+            return x, None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32)(x)
+            blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                             length=3)
+            return blocks()(x, None)[0]
+
+    x = jax.random.normal(KEY[3], (2, 6, 8))
+    model = Stack()
+    variables = model.init(jax.random.key(1), x)
+    f = cpu(model.apply)
+    assert [c for c, _ in _scan_types(jax.make_jaxpr(f)(variables, x))] == [["float32"]]
+    assert rel_err(f(variables, x), model.apply(variables, x)) < 2e-2
 
 
 def test_norm_inside_a_jit_or_remat_returns_the_activation_dtype():
