@@ -145,7 +145,7 @@ def _chains(jaxpr: jx.Jaxpr, regions: Sequence[Region], demanding: frozenset[int
         if not region.enabled or not any(_castable(v) for v in eqn.outvars):
             continue
         name = eqn.primitive.name
-        rule = region.table.rule(name, sums_to_scalar(eqn))
+        rule = _rule(eqn, region)
         feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32) and (
             any(demanded(v) for v in eqn.outvars)
             or (name in ELEMENTWISE and any(_is_var(v) and v in float32_results
@@ -180,6 +180,7 @@ def _body_starts(body: jx.Jaxpr, region: Region) -> tuple[bool, ...]:
 
 
 def _rule(eqn, region: Region):
+    """The table's rule for an equation (a sum to one number has its own, see `OpTable`)."""
     return region.table.rule(eqn.primitive.name, sums_to_scalar(eqn))
 
 
@@ -189,7 +190,7 @@ def _is_seed(eqn, region: Region) -> bool:
     in float32 throughout."""
     if not region.enabled:
         return False
-    rule = region.table.rule(eqn.primitive.name, sums_to_scalar(eqn))
+    rule = _rule(eqn, region)
     return rule in (FP32, FP32_STATISTICS) or (
         rule == LOWER and jx.asks_full_precision(eqn.params))
 
@@ -218,8 +219,7 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
     """
     eqns = jaxpr.eqns
     forward = [not jx.is_backward(eqn) for eqn in eqns]
-    seeds = [i for i in float32 if forward[i] and regions[i].table.rule(
-        eqns[i].primitive.name, sums_to_scalar(eqns[i])) == FP32_STATISTICS]
+    seeds = [i for i in float32 if forward[i] and _rule(eqns[i], regions[i]) == FP32_STATISTICS]
     if not seeds:
         return frozenset(), {}
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
@@ -259,9 +259,9 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
         # activation being normalized: flax's BatchNorm in eval mode centres `x` by its
         # running mean outside the chain, then multiplies by `rsqrt(var) * scale`.
         applies = bool(own) and name in _APPLIES and all(
-            _broadcast(origin.get(v), out) for v in own)
+            was_broadcast(origin.get(v), out) for v in own)
         if not applies and not all(
-                v in produced or v in near or _broadcast(origin.get(v), out) for v in inputs):
+                v in produced or v in near or was_broadcast(origin.get(v), out) for v in inputs):
             continue
         if own:
             epilogue.add(i)
@@ -275,7 +275,7 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
     read_outside.update(v for v in jaxpr.outvars if _is_var(v))
     # Values computed from an activation at its size (not statistics, nor a scale broadcast
     # from a statistic and a weight).
-    derived = {e for e in entries if origin.get(e) == _shape_key(e)}
+    derived = {e for e in entries if origin.get(e) == shape_key(e)}
     by_size: dict = {}
     for e in derived:
         by_size.setdefault(_size(e), []).append(e)
@@ -303,7 +303,7 @@ def _origins(jaxpr: jx.Jaxpr) -> dict:
     """Each value's (size, rank) before it was moved or broadcast (a bias broadcast to an
     activation's shape is smaller there, or of lower rank); elementwise math keeps the largest
     of its operands' (a scale made of a broadcast variance and weight is still that small)."""
-    origin = {v: _shape_key(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
+    origin = {v: shape_key(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         inputs = [origin[v] for v in eqn.invars if _is_var(v) and v in origin]
@@ -313,15 +313,16 @@ def _origins(jaxpr: jx.Jaxpr) -> dict:
             elif name in ELEMENTWISE and inputs:
                 origin[v] = max(inputs)
             else:
-                origin[v] = _shape_key(v)
+                origin[v] = shape_key(v)
     return origin
 
 
-def _shape_key(var) -> tuple[int, int]:
+def shape_key(var) -> tuple[int, int]:
+    """A value's (size, rank): what an origin records (see `_origins`)."""
     return _size(var), len(getattr(var.aval, "shape", ()))
 
 
-def _broadcast(origin: tuple[int, int] | None, out) -> bool:
+def was_broadcast(origin: tuple[int, int] | None, out) -> bool:
     """A value of this origin was broadcast to `out`'s shape: it had fewer elements or fewer
     dimensions (a (D,) scale applied to a (1, D) batch of one)."""
     if origin is None:
@@ -336,7 +337,8 @@ def _size(var) -> int:
 
 def sums_to_scalar(eqn) -> bool:
     """A reduction of arrays to one number: a loss's final mean, a trace, a dot product."""
-    return (eqn.primitive.name in SUMS | DOT_PRODUCTS and all(not v.aval.shape for v in eqn.outvars)
+    return (eqn.primitive.name in SUMS | DOT_PRODUCTS
+            and all(not v.aval.shape for v in eqn.outvars)
             and any(_castable(v) and v.aval.shape for v in eqn.invars if _is_var(v)))
 
 
@@ -368,12 +370,11 @@ def _castable(var) -> bool:
     return is_castable(getattr(var.aval, "dtype", None))
 
 
-# Ops a carry passes through unchanged in value on its way to being added to (a scatter that
-# sets passes the values it writes).
-_PASSES = (MOVES - {"convert_element_type"}) | {
-    "select_n", "copy_p", "pvary", "stop_gradient", "scatter"}
 # Ops whose result is their first operand's values, moved.
 _SAME_VALUES = (MOVES - {"convert_element_type"}) | {"copy_p", "pvary", "stop_gradient"}
+# Ops a carry passes through unchanged in value on its way to being added to (a selection
+# passes one of its operands, a scatter that sets the values it writes).
+_PASSES = _SAME_VALUES | {"select_n", "scatter"}
 # Additions: elementwise, and into a destination.
 _ADDS = frozenset({"add", "add_any", "sub", "scatter-add", "scatter-sub"})
 

@@ -174,7 +174,7 @@ class _Frame:
                 known = _scalar_constant(value)
             if known is not None:
                 self.constants[var] = known
-            self.weights[var] = _origin(var)
+            self.weights[var] = dataflow.shape_key(var)
             if i in carries:
                 self.carries.add(var)
             elif _weak_scalar(var.aval) or _weak_scalar(jax.typeof(value)):
@@ -273,22 +273,6 @@ class _Frame:
 def _weak_scalar(aval) -> bool:
     return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
             and rules.is_floating(aval))
-
-
-def _origin(atom) -> tuple[int, int]:
-    """A value's size and rank, as `_Frame.weights` records them for a weight's origin."""
-    return _size(atom), len(atom.aval.shape)
-
-
-def _smaller(origin: tuple[int, int], atom) -> bool:
-    """A weight of this origin was broadcast to `atom`: it had fewer elements or dimensions
-    (a (D,) bias added to a (1, D) batch of one is one)."""
-    size, rank = origin
-    return size < _size(atom) or rank < len(atom.aval.shape)
-
-
-def _size(atom) -> int:
-    return int(np.prod(atom.aval.shape))
 
 
 # Ops whose result holds only values of their floating operands (moved, selected, negated):
@@ -413,9 +397,10 @@ def _follower(eqn, frame: _Frame) -> int | None:
     atoms = [a for a in eqn.invars if rules.is_floating(a.aval)]
     if len(atoms) != 2 or any(isinstance(a, jx.Literal) for a in atoms):
         return None
+    result = eqn.outvars[0]
     for value, other in ((atoms[0], atoms[1]), (atoms[1], atoms[0])):
         if value in frame.kernel and other not in frame.kernel and other in frame.weights and (
-                name not in _ADDITIVE or _smaller(frame.weights[other], eqn.outvars[0])):
+                name not in _ADDITIVE or dataflow.was_broadcast(frame.weights[other], result)):
             return eqn.invars.index(other)
     return None
 
@@ -447,21 +432,17 @@ def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
     `constants` (per value, see `eval_jaxpr`) are part of the key: inside the body a constant
     input is still known to be one.
     """
-    avals = _weak_literal_avals(values)
-    constants = tuple(constants) or (None,) * len(values)
-    key = ("specialized", closed, region, _avals_key(avals), constants)
-    if key not in ctx.jaxprs:
-        ctx.jaxprs[key] = jx.trace_closed(
-            lambda *args: eval_jaxpr(closed, args, region, ctx, constants), avals)
-    return ctx.jaxprs[key]
+    return specialized_at(closed, region, ctx, _weak_literal_avals(values),
+                          tuple(constants) or (None,) * len(values))
 
 
 def specialized_at(closed: jx.ClosedJaxpr, region: Region, ctx: Context, avals: Sequence[Any],
-                   constants: Sequence[Any], carries: frozenset[int]) -> jx.ClosedJaxpr:
-    """`specialized` for a loop body: typed by its carries' and slices' avals, its `carries`
-    (positions) never scalar-like (see `eval_jaxpr`)."""
+                   constants: Sequence[Any], carries: frozenset[int] = frozenset()
+                   ) -> jx.ClosedJaxpr:
+    """`specialized` for abstract inputs (a loop body's, typed by its carries and slices),
+    its `carries` (positions) never scalar-like (see `eval_jaxpr`)."""
     constants = tuple(constants)
-    key = ("loop body", closed, region, _avals_key(avals), constants, carries)
+    key = ("specialized", closed, region, _avals_key(avals), constants, carries)
     if key not in ctx.jaxprs:
         ctx.jaxprs[key] = jx.trace_closed(
             lambda *args: eval_jaxpr(closed, args, region, ctx, constants, carries=carries),
