@@ -2,23 +2,49 @@
 compiles; the `variant` fixture that runs a test eagerly and under jit.
 
 XLA reads its flags once, when the backend starts, so they are set before anything imports jax.
-The suite is mostly compiles of small programs: LLVM's lowest optimization level and XLA's
-older CPU emitters compile about three times faster and compute the same values (they change
-how fast the machine code runs, not what the HLO computes; the tests read dtypes from the
-lowered programs, which these flags do not touch). A flag already in XLA_FLAGS is kept.
+The suite is mostly compiles of small programs: LLVM's lowest optimization level (and, where the
+running jaxlib still has them, XLA's older CPU emitters) compile about three times faster and
+compute the same values (they change how fast the machine code runs, not what the HLO computes;
+the tests read dtypes from the lowered programs, which these flags do not touch). A flag already
+in XLA_FLAGS is kept. XLA aborts the process on a flag it does not know, and jaxlib drops flags
+between versions, so each optional flag is first tried in a child process (once: pytest-xdist's
+workers inherit the result through the environment).
 Shared constants and helpers are in `helpers.py`, imported as `helpers`.
 """
 
 import os
+import subprocess
+import sys
 
 _FLAGS = {
     "--xla_force_host_platform_device_count": "8",
     "--xla_backend_optimization_level": "0",
+}
+# Flags some jaxlib versions no longer know (jaxlib 0.12 removed the older CPU emitters).
+_OPTIONAL_FLAGS = {
     "--xla_cpu_use_fusion_emitters": "false",
 }
-_given = os.environ.get("XLA_FLAGS", "")
-_missing = [f"{flag}={value}" for flag, value in _FLAGS.items() if flag not in _given]
-os.environ["XLA_FLAGS"] = " ".join([_given, *_missing]).strip()
+
+
+def _xla_accepts(flag: str) -> bool:
+    probe = "import jax; jax.devices()"
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          timeout=120).returncode == 0
+
+
+def _set_xla_flags() -> None:
+    given = os.environ.get("XLA_FLAGS", "")
+    wanted = dict(_FLAGS)
+    if "JAMP_TEST_XLA_FLAGS_SET" not in os.environ:
+        wanted.update({flag: value for flag, value in _OPTIONAL_FLAGS.items()
+                       if flag in given or _xla_accepts(f"{flag}={value}")})
+        os.environ["JAMP_TEST_XLA_FLAGS_SET"] = "1"
+    missing = [f"{flag}={value}" for flag, value in wanted.items() if flag not in given]
+    os.environ["XLA_FLAGS"] = " ".join([given, *missing]).strip()
+
+
+_set_xla_flags()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
