@@ -29,7 +29,7 @@ EXAMPLES = _examples()
 
 def test_examples_are_found():
     names = {t.name for t in EXAMPLES}
-    assert {"jamp.transforms.autocast.autocast", "jamp.policy.policy.Policy",
+    assert {"jamp.transforms.autocast_api.autocast", "jamp.policy.policy.Policy",
             "jamp.scaler.grad_scaler.GradScaler"} <= names
 
 

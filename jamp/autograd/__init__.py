@@ -1,7 +1,17 @@
-"""A namespace shaped like `torch.autograd`: the names torch users reach for, on JAX.
+"""`torch.autograd` for JAX: the names torch users reach for, in torch's module layout.
 
-Everything is implemented in `jamp.transforms` (and `jamp.profile`); this package re-exports it
-under torch's names and module layout (`jamp.autograd.functional`, `jamp.autograd.graph`, ...).
+- `function`: `Function`, `FunctionCtx`, `once_differentiable` (on `jax.custom_vjp`).
+- `functional`: `jacobian`, `hessian`, `vjp`, `jvp`, `hvp`, `vhp`.
+- `gradcheck`: `gradcheck`, `gradgradcheck`, `GradcheckError` (the module is callable as
+  torch's `torch.autograd.gradcheck(...)`).
+- `graph`: saved-tensor hooks (`saved_tensors_hooks`, `save_on_cpu`,
+  `disable_saved_tensors_hooks`, `save_as`).
+- `anomaly_mode`: `detect_anomaly`, `set_detect_anomaly`.
+- `forward_ad`: `dual_level`, `make_dual`, `unpack_dual`.
+- `grad_mode`: `no_grad`, `enable_grad`, `set_grad_enabled`, `inference_mode`,
+  `register_hook`.
+- `profiler`: `jamp.profile` under torch's name.
+
 docs/autograd.md maps every name to torch's, with its status.
 """
 
@@ -11,10 +21,10 @@ from jamp.autograd import (
     function,
     functional,
     grad_mode,
+    gradcheck,
     graph,
     profiler,
 )
-from jamp.autograd import gradcheck as _gradcheck_module
 from jamp.autograd.anomaly_mode import detect_anomaly, set_detect_anomaly
 from jamp.autograd.function import Function, FunctionCtx, once_differentiable
 from jamp.autograd.grad_mode import (
@@ -24,9 +34,7 @@ from jamp.autograd.grad_mode import (
     register_hook,
     set_grad_enabled,
 )
-from jamp.autograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
-
-del _gradcheck_module
+from jamp.autograd.gradcheck import GradcheckError, gradgradcheck
 
 __all__ = [
     "Function", "FunctionCtx", "GradcheckError", "anomaly_mode", "detect_anomaly",

@@ -1,10 +1,596 @@
-"""torch.autograd.anomaly_mode's names: `detect_anomaly`, `set_detect_anomaly`, with
-`is_anomaly_enabled`, `is_anomaly_check_nan_enabled` (torch's `torch.is_anomaly_*`),
-`AnomalyError` and `anomaly_checked` (implemented in `jamp.transforms.anomaly`)."""
+"""Anomaly detection: torch's `detect_anomaly` / `set_detect_anomaly` for JAX.
 
-from jamp.transforms.anomaly import (AnomalyError, anomaly_checked, detect_anomaly,
-                                     is_anomaly_check_nan_enabled, is_anomaly_enabled,
-                                     set_detect_anomaly)
+A checked function is traced to a jaxpr and evaluated equation by equation; after each
+equation, each floating output is tested for NaN (and, with `check_inf`, infinity) on the
+device. Its backward is checked the same way: the function becomes one `jax.custom_vjp` whose
+fwd runs `jax.vjp` of the checked forward and whose bwd traces the resulting pullback to a jaxpr
+and evaluates that with checks. JAX gives every equation of a pullback the source info of the
+forward equation it differentiates, so an anomaly in the backward is reported at the user's
+forward line, with the forward primitive whose gradient it is.
+
+The tests of one evaluation are gathered into one vector and handed to one
+`jax.debug.callback`, which raises `AnomalyError` for the first anomaly in evaluation order
+(evaluation order is a topological order, so that is where the value first went bad). Eagerly
+the callback runs at once and the `AnomalyError` reaches the caller; in a compiled program
+(`jax.jit`) JAX raises it from the running program as a `jax.errors.JaxRuntimeError` (also a
+`RuntimeError`) whose message ends with the `AnomalyError` text.
+
+Calls (`jax.jit`, `closed_call`) and `jax.checkpoint` bodies are evaluated inline, so their
+equations are checked one by one (a checkpoint is not rematerialized while checked). A
+`lax.scan` (also `fori_loop` with static bounds, and the scans of a scan's backward) is rebuilt
+around its body evaluated with checks; the body's codes ride in the carry. Other higher-order
+primitives (`while_loop`, `cond`/`switch`, custom_jvp / custom_vjp functions, shard_map) run as
+they are and are checked at their outputs, reported at the user's line that called them. A
+custom_vjp's bwd (a `jamp.autograd.Function`'s backward) that raises gets the traceback of the
+forward call that created it added to its error, also with `check_nan=False` (torch's other
+anomaly-mode service).
+
+Values the function closes over that an enclosing transform differentiates become inputs of
+the custom_vjp (`jax.closure_convert`), so their gradients flow as before.
+
+The anomaly mode (`set_detect_anomaly`, `with detect_anomaly():`) is a JAX configuration
+option in `jax.jit`'s cache key, read when a function wrapped in `anomaly_checked` is traced.
+
+Forward mode: JAX refuses `jax.jvp` through a `jax.custom_vjp`, so where forward-mode
+differentiation acts on the inputs (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) the function is
+checked without the custom_vjp: primal values are checked, tangents and any reverse pass are
+not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import linecache
+import os
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp._checks import check_bool
+from jamp import _jax_internals as jx
 
 __all__ = ["AnomalyError", "anomaly_checked", "detect_anomaly", "is_anomaly_check_nan_enabled",
            "is_anomaly_enabled", "set_detect_anomaly"]
+
+_JAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TRACEBACK_TITLE = "Traceback of forward call that caused the error:"
+
+
+class AnomalyError(RuntimeError):
+    """A NaN (or, with `check_inf`, an infinity) produced inside a function checked by anomaly
+    detection. The message names the primitive, the pass (forward or backward) and the user's
+    forward line that caused it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checks:
+    """What anomaly detection tests each floating value for."""
+
+    nan: bool = True
+    inf: bool = False
+
+    @property
+    def values(self) -> bool:
+        return self.nan or self.inf
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+# "off", or "on" followed by what is checked: the value of one JAX config option, so that
+# `jax.jit` keys its cache on it (a checked program is a different program).
+_MODES = ("off", "on", "on:nan", "on:inf", "on:nan,inf")
+_MODE = jx.jit_keyed_enum_state(
+    "jamp_detect_anomaly", _MODES, "off",
+    "jamp's anomaly mode (set it with jamp.autograd.set_detect_anomaly): whether functions "
+    "wrapped in jamp.autograd.anomaly_checked are checked for NaN/inf when traced.")
+
+
+def _mode_value(mode: bool, checks: Checks) -> str:
+    if not mode:
+        return "off"
+    kinds = [k for k, on in (("nan", checks.nan), ("inf", checks.inf)) if on]
+    return "on:" + ",".join(kinds) if kinds else "on"
+
+
+def _mode_checks() -> Checks | None:
+    value = _MODE.value
+    if value == "off":
+        return None
+    kinds = value.partition(":")[2].split(",")
+    return Checks(nan="nan" in kinds, inf="inf" in kinds)
+
+
+def is_anomaly_enabled() -> bool:
+    """True while anomaly mode is on (torch's `torch.is_anomaly_enabled`)."""
+    return _mode_checks() is not None
+
+
+def is_anomaly_check_nan_enabled() -> bool:
+    """True while anomaly mode is on and checks for NaN (torch's
+    `torch.is_anomaly_check_nan_enabled`)."""
+    checks = _mode_checks()
+    return checks is not None and checks.nan
+
+
+class detect_anomaly:
+    """Anomaly detection for a function: torch's `torch.autograd.detect_anomaly`.
+
+    As a decorator, `detect_anomaly()(fn)` returns `fn` checked every time it runs or is
+    traced: a NaN (with `check_nan`, the default) or an infinity (with `check_inf`) produced by
+    any equation of its forward or of its backward raises `AnomalyError`, naming the primitive,
+    the pass, and the user's forward line ("Traceback of forward call that caused the error").
+    Under `jax.jit` the error reaches the caller as a `jax.errors.JaxRuntimeError` that carries
+    the same message. With both checks off, only errors raised by a custom backward rule are
+    given the traceback of the forward call that created it.
+
+    As a context manager, `with detect_anomaly():` turns anomaly mode on for the block (as
+    `set_detect_anomaly(True, ...)` would): functions wrapped in `anomaly_checked` are checked
+    when traced inside it. Other JAX code is not: JAX builds a backward when a function is
+    traced, so a block around calls cannot reach into functions nobody marked.
+
+    torch checks for NaN in the backward only; jamp checks the forward too, and the arguments
+    of the function and the gradient flowing into its backward, so an anomaly that comes from
+    outside is reported as such. `check_inf` is jamp's: torch never checks for infinities.
+
+    Args:
+      check_nan: raise on NaN (torch's flag).
+      check_inf: raise on an infinity too.
+
+    Example:
+      >>> import warnings
+      >>> import jax, jax.numpy as jnp
+      >>> from jamp.autograd.anomaly_mode import detect_anomaly
+      >>> def loss(x):
+      ...     return jnp.sqrt(x).sum()
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore")
+      ...     checked = detect_anomaly()(loss)
+      >>> jax.grad(checked)(jnp.array([0.0, 4.0]))
+      Array([ inf, 0.25], dtype=float32)
+      >>> jax.grad(checked)(jnp.array([-1.0, 4.0]))
+      Traceback (most recent call last):
+      ...
+      jamp.autograd.anomaly_mode.AnomalyError: 'sqrt' returned nan in its output 0 in the forward ...
+      ...
+    """
+
+    def __init__(self, check_nan: bool = True, *, check_inf: bool = False):
+        self.checks = Checks(check_bool("check_nan", check_nan),
+                             check_bool("check_inf", check_inf))
+        self._previous: list = []
+        warnings.warn("jamp anomaly detection is on: each checked equation tests its outputs, "
+                      "which slows the program down; use it to debug.", stacklevel=2)
+
+    def __call__(self, fn: Callable) -> Callable:
+        return _checked(fn, self.checks)
+
+    def __enter__(self) -> None:
+        context = _MODE(_mode_value(True, self.checks))
+        context.__enter__()
+        self._previous.append(context)
+
+    def __exit__(self, *exc) -> None:
+        self._previous.pop().__exit__(*exc)
+
+
+class set_detect_anomaly:
+    """Turns anomaly mode on or off: torch's `torch.autograd.set_detect_anomaly`.
+
+    Called as a statement, it sets the mode for the process (the current thread keeps any
+    `with` override); as a context manager, it restores the previous mode on exit. The mode
+    decides whether functions wrapped in `anomaly_checked` are checked (see `detect_anomaly`
+    for what is checked). It is read when such a function is traced, and `jax.jit` keys its
+    cache on it: a jitted function called after the mode changed is traced again (once per
+    mode), so turning the mode off returns to the unchecked program, compiled as before.
+
+    Args:
+      mode: anomaly mode on (True) or off (False).
+      check_nan: raise on NaN (torch's flag).
+      check_inf: raise on an infinity too (jamp's).
+    """
+
+    def __init__(self, mode: bool, check_nan: bool = True, *, check_inf: bool = False):
+        checks = Checks(check_bool("check_nan", check_nan), check_bool("check_inf", check_inf))
+        self._previous = _MODE.get_global()
+        jax.config.update(_MODE.name, _mode_value(check_bool("mode", mode), checks))
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        jax.config.update(_MODE.name, self._previous)
+
+
+def anomaly_checked(fn: Callable) -> Callable:
+    """`fn`, checked by anomaly detection whenever it is traced while anomaly mode is on
+    (`set_detect_anomaly(True)`, or inside `with detect_anomaly():`); while the mode is off it
+    calls `fn` directly, so its traced program is `fn`'s own (no cost). torch's workflow: mark
+    the loss once, switch the mode from the outside.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jamp.autograd.anomaly_mode import anomaly_checked, set_detect_anomaly
+      >>> loss = anomaly_checked(lambda x: jnp.log(x).sum())
+      >>> float(loss(jnp.array([-1.0])))  # the mode is off: no check
+      nan
+      >>> with set_detect_anomaly(True):
+      ...     loss(jnp.array([-1.0]))
+      Traceback (most recent call last):
+      ...
+      jamp.autograd.anomaly_mode.AnomalyError: 'log' returned nan in its output 0 in the forward ...
+      ...
+    """
+
+    @functools.wraps(fn)
+    def gated(*args, **kwargs):
+        checks = _mode_checks()
+        if checks is None:
+            return fn(*args, **kwargs)
+        return _run(fn, checks, args, kwargs)
+
+    return gated
+
+
+def _checked(fn: Callable, checks: Checks) -> Callable:
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        return _run(fn, checks, args, kwargs)
+
+    return checked
+
+
+# -- running a checked function ---------------------------------------------------------------
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _run(fn: Callable, checks: Checks, args: tuple, kwargs: dict) -> Any:
+    """Traces `fn` on the array leaves of its arguments (other leaves are static) and evaluates
+    it with checks."""
+    with_paths, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in with_paths]
+    where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    names = [_argument_name(with_paths[i][0]) for i in where]
+    out_tree: list = []
+
+    def flat_fn(*arrays):
+        full = list(leaves)
+        for i, a in zip(where, arrays, strict=True):
+            full[i] = a
+        a, k = jax.tree_util.tree_unflatten(tree, full)
+        out_leaves, structure = jax.tree_util.tree_flatten(fn(*a, **k))
+        out_tree[:] = [structure]
+        return out_leaves
+
+    arrays = [leaves[i] for i in where]
+    # Values `fn` closes over that an enclosing transform differentiates (a model's
+    # parameters under `jax.grad`) become inputs: a custom_vjp may not close over them.
+    converted, hoisted = jax.closure_convert(flat_fn, *arrays)
+    inputs = arrays + list(hoisted)
+    names += [f"closed-over value {i}" for i in range(len(hoisted))]
+    closed = jx.trace_closed(converted, [jax.typeof(a) for a in inputs])
+    program = _Program(closed, checks, getattr(fn, "__name__", type(fn).__name__), names)
+    outs = program(inputs)
+    return jax.tree_util.tree_unflatten(out_tree[0], outs)
+
+
+def _argument_name(path) -> str:
+    # The path into `(args, kwargs)`: `argument args[0]['w']`, `argument kwargs['x']`.
+    head, rest = path[0], path[1:]
+    base = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    return "argument " + base + jax.tree_util.keystr(tuple(rest))
+
+
+@dataclasses.dataclass
+class _Program:
+    """One traced function and what its checks report against."""
+
+    closed: jx.ClosedJaxpr
+    checks: Checks
+    name: str
+    arg_names: Sequence[str]
+
+    def __call__(self, arrays: list) -> list:
+        if not self.checks.values:
+            return _Evaluation(self, backward=False).run(self.closed, arrays, check=False)
+        if any("forward" in jx.autodiff_kinds(a) for a in arrays):
+            return self._forward(arrays)
+        return self._with_checked_backward(arrays)
+
+    def _forward(self, arrays: list) -> list:
+        evaluation = _Evaluation(self, backward=False)
+        outs = evaluation.run(self.closed, arrays)
+        evaluation.report()
+        return outs
+
+    def _with_checked_backward(self, arrays: list) -> list:
+        out_avals = self.closed.out_avals
+        # The forward's sites (Python objects, not residuals) for the bwd's report: this
+        # custom_vjp is made for one call, so its fwd runs before its bwd.
+        forward_box: list = []
+
+        @jax.custom_vjp
+        def checked(*xs):
+            return self._forward(list(xs))
+
+        def fwd(*xs):
+            evaluation = _Evaluation(self, backward=False)
+
+            def forward(*ys):
+                outs = evaluation.run(self.closed, list(ys))
+                return outs, evaluation.codes()
+
+            outs, pullback, codes = jax.vjp(forward, *xs, has_aux=True)
+            evaluation.report(codes)
+            forward_box[:] = [evaluation]
+            return outs, (pullback, codes)
+
+        def bwd(residual, cts):
+            pullback, forward_codes = residual
+            return tuple(self._backward(pullback, forward_codes, forward_box[0], cts,
+                                        out_avals))
+
+        checked.defvjp(fwd, bwd)
+        return list(checked(*arrays))
+
+    def _backward(self, pullback, forward_codes, forward: "_Evaluation", cts, out_avals):
+        # The pullback is a pytree whose leaves are the residuals: traced to a jaxpr of
+        # (residuals, floating cotangents), it is evaluated like the forward. Cotangents of
+        # integer outputs are float0 zeros, made inside.
+        res, res_tree = jax.tree_util.tree_flatten(pullback)
+        floating = [i for i, a in enumerate(out_avals) if _inexact(a)]
+
+        def backward(res, given):
+            full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+            for i, c in zip(floating, given, strict=True):
+                full[i] = c
+            return jax.tree_util.tree_unflatten(res_tree, res)(full)
+
+        given = [cts[i] for i in floating]
+        closed = jx.trace_closed(lambda *a: backward(list(a[:len(res)]), list(a[len(res):])),
+                                 [jax.typeof(a) for a in res + given])
+        evaluation = _Evaluation(self, backward=True, forward=forward,
+                                 checked_inputs=range(len(res), len(res) + len(given)),
+                                 input_outputs=floating)
+        outs = evaluation.run(closed, res + given)
+        evaluation.report(evaluation.codes(), forward_codes)
+        return outs
+
+
+def _inexact(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """Where a checked value comes from: an equation's output, or an input of the jaxpr."""
+
+    primitive: str | None        # None for an input
+    output: int
+    frames: tuple                # the user's frames, outermost first
+    source: int | None = None    # jx.source_key of the equation
+    input_name: str = ""
+
+
+_NAN, _INF = 2, 1  # codes: the larger wins when vmap gathers one code per example
+
+
+class _Evaluation:
+    """One evaluation of a jaxpr with checks: the values' codes and where each comes from."""
+
+    def __init__(self, program: _Program, backward: bool, forward: "_Evaluation | None" = None,
+                 checked_inputs: Sequence[int] | None = None,
+                 input_outputs: Sequence[int] = ()):
+        self.program = program
+        self.checks = program.checks
+        self.backward = backward
+        self.forward = forward
+        self.checked_inputs = checked_inputs
+        self.input_outputs = list(input_outputs)
+        self.sites: list[_Site] = []
+        self._codes: list = []
+        self.primitives: dict[int, str] = {}  # forward: source key -> primitive name
+
+    # -- evaluation
+
+    def run(self, closed: jx.ClosedJaxpr, args: list, check: bool = True) -> list:
+        self.check = check
+        inputs = range(len(args)) if self.checked_inputs is None else self.checked_inputs
+        for k, i in enumerate(inputs):
+            self._test(args[i], _Site(None, k, (), input_name=self._input_name(k)))
+        return self._eval(closed, args, ())
+
+    def _input_name(self, k: int) -> str:
+        if self.backward:
+            return f"the gradient of output {self.input_outputs[k]}"
+        return self.program.arg_names[k]
+
+    def _eval(self, closed: jx.ClosedJaxpr, args: Sequence[Any], caller: tuple) -> list:
+        """Evaluates `closed`; `caller` holds the user's frames of the call whose body it is
+        (JAX records a body's stack from the body inwards)."""
+        jaxpr = closed.jaxpr
+        env: dict = {}
+
+        def read(atom):
+            return atom.val if isinstance(atom, jx.Literal) else env[atom]
+
+        env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [read(a) for a in eqn.invars]
+            name = eqn.primitive.name
+            if name in _INLINED:
+                outs = self._eval(jx.call_body(eqn), invals, _frames(eqn, caller))
+            elif name == "scan" and self.check:
+                with jx.equation_context(eqn):
+                    outs = self._scan(eqn, invals, _frames(eqn, caller))
+            else:
+                with jx.equation_context(eqn):
+                    params = eqn.params
+                    if name == "custom_vjp_call":
+                        params = _with_noted_bwd(eqn, _frames(eqn, caller))
+                    outs = jx.bind(eqn, params, invals)
+                self._note(eqn, outs, caller)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    def _scan(self, eqn, invals: list, frames: tuple) -> list:
+        """A scan rebuilt around its body evaluated with checks. The body's codes ride in the
+        carry, each the largest over the iterations so far."""
+        body, num_consts, num_carry, options = jx.scan_parts(eqn.params)
+        consts, init, xs = (invals[:num_consts], invals[num_consts:num_consts + num_carry],
+                            invals[num_consts + num_carry:])
+        inner = _Evaluation(self.program, self.backward, self.forward)
+        inner.check, inner.primitives = True, self.primitives
+
+        def evaluate(values):
+            inner.sites, inner._codes = [], []
+            return inner._eval(body, values, frames), inner.codes()
+
+        count = jx.trace_closed(lambda *a: evaluate(list(a))[1], body.in_avals).out_avals[0]
+
+        def step(carry, x):
+            values, codes = carry
+            outs, new = evaluate([*consts, *values, *x])
+            return (outs[:num_carry], jnp.maximum(codes, new)), outs[num_carry:]
+
+        (carry, codes), ys = jax.lax.scan(
+            step, (init, jnp.zeros(count.shape, jnp.int8)), xs, **options)
+        self.sites.extend(inner.sites)
+        self._codes.append(codes)
+        return [*carry, *ys]
+
+    def _note(self, eqn, outs: Sequence[Any], caller: tuple) -> None:
+        name = _primitive_label(eqn)
+        key = jx.source_key(eqn)
+        if not self.backward:
+            self.primitives.setdefault(key, name)
+        if not self.check:
+            return
+        frames = None
+        for k, value in enumerate(outs):
+            if _inexact(jax.typeof(value)):
+                frames = frames if frames is not None else _frames(eqn, caller)
+                self._test(value, _Site(name, k, frames, key))
+
+    def _test(self, value, site: _Site) -> None:
+        if not self.check or not _inexact(jax.typeof(value)) or not np.size(value):
+            return
+        code = jnp.zeros((), jnp.int8)
+        if self.checks.inf:
+            code = jnp.where(jnp.isinf(value).any(), jnp.int8(_INF), code)
+        if self.checks.nan:
+            code = jnp.where(jnp.isnan(value).any(), jnp.int8(_NAN), code)
+        self.sites.append(site)
+        self._codes.append(code)
+
+    # -- reporting
+
+    def codes(self) -> jax.Array:
+        """One code per site (a scan adds the codes of its body's sites at once)."""
+        if not self._codes:
+            return jnp.zeros((0,), jnp.int8)
+        return jnp.concatenate([jnp.reshape(c, (-1,)) for c in self._codes])
+
+    def report(self, codes=None, forward_codes=None) -> None:
+        """Raises (through a debug callback, so also inside compiled programs) for the first
+        anomaly: of the forward whose codes are `forward_codes`, if any, then of this one."""
+        codes = self.codes() if codes is None else codes
+        if forward_codes is None and not self.sites:
+            return
+        forward = self.forward
+
+        def raise_first(codes, forward_codes):
+            if forward_codes is not None:
+                forward._raise_first(forward_codes)
+            self._raise_first(codes)
+
+        if jx.is_tracer(codes) or jx.is_tracer(forward_codes):
+            jax.debug.callback(raise_first, codes, forward_codes)
+        else:
+            raise_first(codes, forward_codes)  # eagerly: at once, with no callback's log
+
+    def _raise_first(self, codes) -> None:
+        codes = np.asarray(codes).reshape(-1, len(self.sites)).max(axis=0) if self.sites \
+            else ()
+        for site, code in zip(self.sites, codes):
+            if code:
+                raise AnomalyError(self._message(site, "nan" if code == _NAN else "inf"))
+
+    def _message(self, site: _Site, kind: str) -> str:
+        name = self.program.name
+        if site.primitive is None:
+            if self.backward:
+                return (f"{site.input_name} of {name}, flowing into its backward pass, holds "
+                        f"{kind}: it was produced outside {name}.")
+            return (f"{site.input_name} of {name} holds {kind}: it was produced outside "
+                    f"{name}.")
+        text = f"'{site.primitive}' returned {kind} in its output {site.output} in the "
+        if self.backward:
+            text += f"backward pass of {name}"
+            of = self.forward.primitives.get(site.source) if self.forward else None
+            if of is not None:
+                text += f" (part of the gradient of '{of}')"
+        else:
+            text += f"forward pass of {name}"
+        return text + ".\n" + _format_frames(site.frames)
+
+
+def _format_frames(frames: Sequence[tuple[str, int, str]]) -> str:
+    """The traceback of a forward call, in Python's layout, jamp's own frames left out. JAX
+    records an equation's Python stack from the traced function inwards (not its callers)."""
+    lines = [_TRACEBACK_TITLE]
+    for file, line, function in frames:
+        if file.startswith(_JAMP_DIR):
+            continue
+        lines.append(f'  File "{file}", line {line}, in {function}')
+        source = linecache.getline(file, line).strip()
+        if source:
+            lines.append(f"    {source}")
+    if len(lines) == 1:
+        lines.append("  (JAX recorded no Python frame of the user's code)")
+    return "\n".join(lines)
+
+
+def _frames(eqn, caller: tuple) -> tuple:
+    own = jx.user_frames(eqn)
+    return tuple(caller) + tuple(f for f in own if f not in caller)
+
+
+_INLINED = frozenset({"jit", "closed_call", "eval_jaxpr", "remat2"})
+
+
+def _primitive_label(eqn) -> str:
+    name = eqn.primitive.name
+    if name in ("custom_jvp_call", "custom_vjp_call"):
+        wrapped = jx.custom_call_name(eqn.params)
+        if wrapped:
+            return f"{name} of {wrapped}"
+    return name
+
+
+def _with_noted_bwd(eqn, frames: tuple) -> dict:
+    """custom_vjp_call params whose bwd, when it raises, adds the traceback of the forward
+    call that created it (`frames`) to the error (torch's anomaly-mode note)."""
+
+    def wrap_bwd(bwd: Callable) -> Callable:
+        def noted(*args):
+            try:
+                return bwd(*args)
+            except Exception as error:  # re-raised unchanged, with a note
+                if not getattr(error, "_jamp_anomaly_noted", False):
+                    # Python 3.11's add_note; on 3.10 the note is kept, not printed.
+                    error.__notes__ = [*getattr(error, "__notes__", []), _format_frames(frames)]
+                    error._jamp_anomaly_noted = True
+                raise
+
+        return noted
+
+    return jx.custom_vjp_params(eqn.params, jx.custom_call_body(eqn.params), lambda c: c,
+                                wrap_bwd)

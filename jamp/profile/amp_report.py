@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 
 from jamp.profile.table import format_memory
 from jamp.profile import scopes
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 
 # The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
 MATMULS = ("dot_general", "conv_general_dilated")

@@ -5,7 +5,7 @@ A JAX trace names what ran only by HLO module, program id and HLO instruction (`
 result and operand shapes and dtypes, the matmul and convolution FLOPs inside it, the
 `jax.named_scope` path it came from (Flax linen module paths) and the user's source line.
 
-`ProgramCatalog` finds the live compiled programs (`jamp.transforms._jax_internals`), parses the
+`ProgramCatalog` finds the live compiled programs (`jamp._jax_internals`), parses the
 ones a trace mentions, and answers by (module name, program id, instruction name).
 """
 
@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 
 from jamp.profile import scopes
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 
 # HLO element types by their text names; `pred` is a bool, the rest are numeric.
 _DTYPE_NAMES = {

@@ -23,7 +23,7 @@ import numpy as np
 from jamp import _checks
 from jamp.profile import trace
 from jamp.profile.events import EventList, FunctionEventAvg
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 
 # Labels opened by `record_function` / `emit_nvtx` / `emit_itt`: on the host (trace events
 # by that name are ranges) and inside traced code (named scopes, whose ops are the range).

@@ -1,10 +1,12 @@
-"""jaxpr-level transforms: autocast, custom_fwd/custom_bwd and the autograd tools.
+"""Autocast (the jaxpr interpreter, its rules and dataflow, the function boundary and the
+program cache) and `custom_fwd`/`custom_bwd`.
 
-The op tables autocast reads live in `jamp.policy` (`OpTable`, `autocast_table`, ...).
+The op tables autocast reads live in `jamp.policy` (`OpTable`, `autocast_table`, ...); the
+torch.autograd tools are in `jamp.autograd`.
 """
 
 from jamp.policy.primitives import primitive_names
-from jamp.transforms.autocast import AutocastRegion, autocast
+from jamp.transforms.autocast_api import AutocastRegion, autocast
 from jamp.transforms.custom_amp import custom_bwd, custom_fwd
 
 __all__ = ["AutocastRegion", "autocast", "custom_bwd", "custom_fwd", "primitive_names"]

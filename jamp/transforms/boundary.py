@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
 
 # Objects of these packages hold no user state: their attributes are not walked. Functions of

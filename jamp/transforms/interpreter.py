@@ -40,7 +40,7 @@ from jax import lax
 
 from jamp.policy import primitives
 from jamp.policy.autocast_tables import LOWER
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 from jamp.transforms import autocast_dataflow as dataflow
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms.autocast_rules import Region

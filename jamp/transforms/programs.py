@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
 from jamp.transforms import boundary, interpreter
 

@@ -9,7 +9,7 @@ import pytest
 
 import jamp
 from jamp.policy import autocast_table
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import interpreter
 

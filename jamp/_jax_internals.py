@@ -1,5 +1,7 @@
-"""Every touch of JAX internals that jamp needs, in one place (autocast's, and the one
-`Function` needs to tell forward mode from reverse mode).
+"""Every touch of JAX internals that jamp needs, in one place: autocast's (`jamp.transforms`),
+the autograd tools' (`jamp.autograd`: which differentiation acts on a `Function`, anomaly
+checks, grad mode, dual levels) and the profiler's (`jamp.profile`: name stacks, live
+executables).
 
 autocast evaluates a jaxpr equation by equation and re-binds higher-order primitives with
 transformed sub-jaxprs. jax.extend.core gives the jaxpr types; the rest (equation name stacks,

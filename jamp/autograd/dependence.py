@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp.policy.primitives import CALLS
-from jamp.transforms import _jax_internals as jx
+from jamp import _jax_internals as jx
 
 # Higher-order primitives whose body takes exactly the equation's operands.
 _CUSTOM_VJP = "custom_vjp_call"
