@@ -199,6 +199,15 @@ def call_body_key(params: dict) -> str:
     return "jaxpr" if "jaxpr" in params else "call_jaxpr"
 
 
+def jit_inlined_when_lowered(params: dict) -> bool:
+    """True for a `jit` equation whose body lowering copies into its caller at each call
+    (`jax.jit(..., inline=True)` from jax 0.11, which keeps such calls in the jaxpr); other jit
+    bodies lower to one function however often they are called (older jax inlined these while
+    tracing)."""
+    late = getattr(getattr(jax, "Inline", None), "JAX_LATE", None)
+    return late is not None and params.get("inline") is late
+
+
 def custom_call_body(params: dict) -> ClosedJaxpr:
     """The primal body of a custom_jvp_call / custom_vjp_call equation."""
     return params["call_jaxpr"]
@@ -550,7 +559,13 @@ def scan_parts(params: dict) -> tuple[ClosedJaxpr, int, int, dict]:
     options = dict(length=params["length"], reverse=params["reverse"], unroll=params["unroll"])
     if "_split_transpose" in params:
         options["_split_transpose"] = params["_split_transpose"]
-    return (_as_closed(params["jaxpr"]), params["num_consts"], params["num_carry"], options)
+    if "ft_in" in params:
+        # From jax 0.11 the inputs' grouping is a flat tree of (consts, carries, xs).
+        consts, carries, _ = params["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carries)
+    else:
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+    return _as_closed(params["jaxpr"]), num_consts, num_carry, options
 
 
 def while_parts(params: dict) -> tuple[ClosedJaxpr, ClosedJaxpr, int, int]:

@@ -44,7 +44,8 @@ class Row:
       name: the primitive (`dot_general`) or the module path (`Model/Dense_0`, or
         `(top level)` for equations outside any named scope).
       static_count: equations in the program text (a `jax.jit` body called from several
-        places is one function of the lowered program, and counted once).
+        places is one function of the lowered program, and counted once, unless jax copies
+        it into each caller, as it does `jax.jit(inline=True)` bodies).
       count: equations executed: a scan body's times its length, and so on.
       flops: matmul and convolution FLOPs executed, by compute dtype name.
       bytes: bytes of operands and results executed, by dtype name.
@@ -375,9 +376,12 @@ class _Tally:
             times *= eqn.params["length"]
         elif name == "shard_map":  # the body is one device's share: it runs on each
             times *= _shard_count(eqn.params)
+        # A jit body jax copies into each caller (`jax.jit(inline=True)` from jax 0.11) is
+        # written once per call.
+        shared = name == "jit" and not jx.jit_inlined_when_lowered(eqn.params)
         for body in bodies:
-            written = name == "jit" and id(body) in self.written_jits
-            if name == "jit":
+            written = shared and id(body) in self.written_jits
+            if shared:
                 self.written_jits[id(body)] = body  # kept alive: its id stays its own
             self.add(self._sub(body, path), times, static=not written)
 

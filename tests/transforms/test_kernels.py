@@ -10,6 +10,7 @@ from flax import nnx
 from jax import lax
 
 import jamp
+from jamp import _jax_internals as jx
 
 from helpers import BF16, F16, F32, eqn_dtypes, jaxpr_equations, jaxpr_eqns, rel_err
 
@@ -201,9 +202,13 @@ class Recurrent(nn.Module):
 
 
 def _scan_types(jaxpr):
-    return [([str(a.aval.dtype) for a in e.invars[e.params["num_consts"]:][
-        :e.params["num_carry"]]], [str(o.aval.dtype) for o in e.outvars])
-        for e in jaxpr_eqns(jaxpr, "scan")]
+    """Per scan: the dtypes of its initial carries and of its outputs."""
+    types = []
+    for e in jaxpr_eqns(jaxpr, "scan"):
+        _, num_consts, num_carry, _ = jx.scan_parts(e.params)
+        carries = e.invars[num_consts:num_consts + num_carry]
+        types.append(([str(a.aval.dtype) for a in carries], [str(o.aval.dtype) for o in e.outvars]))
+    return types
 
 
 def test_recurrent_states_take_the_low_dtype():

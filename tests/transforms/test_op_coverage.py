@@ -36,7 +36,11 @@ CASES = {
     "cumsum": lambda x, w: jnp.cumsum(x @ w, axis=0),
     "relu_in_jit": jax.jit(lambda x, w: jax.nn.relu(x @ w)),
     "silu": lambda x, w: jax.nn.silu(x @ w),
-    "max_pool": lambda x, w: lax.reduce_window(x @ w, -jnp.inf, lax.max, (2, 2), (1, 1), "VALID"),
+    # `+ x` keeps the pooled values apart: x @ w alone has windows whose maximum is an exact tie
+    # in real arithmetic, where the float32 reference's gradient follows rounding (which element
+    # XLA's matmul rounds highest differs between its CPU emitters, so between jaxlib versions).
+    "max_pool": lambda x, w: lax.reduce_window(x @ w + x, -jnp.inf, lax.max, (2, 2), (1, 1),
+                                               "VALID"),
     "avg_pool": lambda x, w: lax.reduce_window(x @ w, 0.0, lax.add, (2, 2), (1, 1), "VALID"),
     "prng_noise": lambda x, w: x @ w + 0.01 * jax.random.normal(jax.random.key(0), (3, 4)),
     "float_pow": lambda x, w: jnp.abs(x @ w) ** 1.5,
