@@ -59,9 +59,9 @@ CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # What one torch kernel computes from its inputs, as a chain of primitives.
 CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE | ASSEMBLES
          | frozenset({"pad", "gather"}))
-# Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat). jax after 0.11.0
-# renamed `closed_call` to `eval_jaxpr` (same `call_jaxpr` param): both names are calls.
-CALLS = frozenset({"jit", "closed_call", "eval_jaxpr", "custom_jvp_call", "remat2"})
+# Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat). `closed_call`
+# is named `eval_jaxpr` from jax 0.11 (same `call_jaxpr` param): the running jax's name.
+CALLS = frozenset({"jit", jex_core.primitives.closed_call_p.name, "custom_jvp_call", "remat2"})
 
 
 def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
