@@ -82,7 +82,9 @@ def test_identity_hooks_leave_gradients_unchanged(variant):
 def test_hooked_function_without_differentiation_runs_as_is(variant):
     params, x = make_params()
     log = []
-    np.testing.assert_array_equal(variant(counting(log)(mlp))(params, x), mlp(params, x))
+    # Against `mlp` run the same way: a compiled program may round differently from eager
+    # dispatch (XLA from jaxlib 0.11 sums this loss in another order), hooks or not.
+    np.testing.assert_array_equal(variant(counting(log)(mlp))(params, x), variant(mlp)(params, x))
     assert log == []
 
 
