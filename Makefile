@@ -1,21 +1,35 @@
 # The whole set-up on a fresh machine: `make demo` and `make test`.
 # Each creates .venv when missing and installs what it needs; a second run reuses it.
+#
+# `make test PYTHON=python3.12` runs the suite on another Python, in a venv of its own
+# (.venv-3.12), leaving .venv alone. A `pythonX.Y` that pyenv has installed but not selected
+# (its shim then refuses to run) is taken from pyenv.
 PYTHON ?= python3
-VENV := .venv
+INTERPRETER := $(shell $(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null || \
+	{ prefix=$$(pyenv prefix $(patsubst python%,%,$(notdir $(PYTHON))) 2>/dev/null) \
+	  && echo "$$prefix/bin/python3"; })
+ifeq ($(INTERPRETER),)
+$(error PYTHON=$(PYTHON) is neither a Python interpreter on PATH nor a version pyenv has installed)
+endif
+VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(shell $(INTERPRETER) -c \
+	'import sys; print("%d.%d" % sys.version_info[:2])'))
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+# The test-only oracle: torch's CPU build (`+cpu` names only that build, so where pip finds
+# none it installs nothing rather than the multi-GB CUDA build, and the parity tests skip).
+# `make test ORACLE=` leaves it out.
+ORACLE ?= torch==2.13.0+cpu
 
 .PHONY: demo test bench clean
 
 $(VENV)/.installed-core: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(INTERPRETER) -m venv $(VENV)
 	$(PIP) install -e '.[examples]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-core
 	$(PIP) install -e '.[test,examples]'
-	# test-only oracle; the CPU wheel of this version is what the test machines carry
-	$(PIP) install 'torch==2.13.0' || echo "torch oracle not installed: parity tests will be skipped"
+	$(if $(ORACLE),$(PIP) install '$(ORACLE)' || echo "no $(ORACLE) for this Python: torch's parity tests will be skipped")
 	touch $@
 
 demo: $(VENV)/.installed-core
@@ -31,4 +45,4 @@ bench: $(VENV)/.installed-test
 	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv .venv-* build *.egg-info

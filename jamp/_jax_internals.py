@@ -7,7 +7,7 @@ autocast evaluates a jaxpr equation by equation and re-binds higher-order primit
 transformed sub-jaxprs. jax.extend.core gives the jaxpr types; the rest (equation name stacks,
 the parameters of `custom_jvp_call` / `custom_vjp_call`, the linear-util wrappers their
 derivative rules travel in) has no public API. Each helper says why it is needed. Supported:
-jax 0.10.x and 0.11.x.
+jax 0.10.x, 0.11.x and 0.12.x.
 """
 
 from __future__ import annotations
