@@ -29,7 +29,8 @@ $(VENV)/.installed-core: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed-core
 	$(PIP) install -e '.[test,examples]'
-	$(if $(ORACLE),$(PIP) install '$(ORACLE)' || echo "no $(ORACLE) for this Python: torch's parity tests will be skipped")
+	$(if $(ORACLE),$(PIP) install '$(ORACLE)' \
+	    || echo "no $(ORACLE) for this Python: torch's parity tests will be skipped")
 	touch $@
 
 demo: $(VENV)/.installed-core

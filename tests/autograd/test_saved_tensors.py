@@ -82,9 +82,11 @@ def test_identity_hooks_leave_gradients_unchanged(variant):
 def test_hooked_function_without_differentiation_runs_as_is(variant):
     params, x = make_params()
     log = []
-    # Against `mlp` run the same way: a compiled program may round differently from eager
-    # dispatch (XLA from jaxlib 0.11 sums this loss in another order), hooks or not.
-    np.testing.assert_array_equal(variant(counting(log)(mlp))(params, x), variant(mlp)(params, x))
+    # Against `mlp` run the same way: compiled, this loss may round differently from eager
+    # dispatch, hooks or not (whether it does depends on XLA's CPU emitters, which jaxlib 0.11
+    # changed).
+    want = variant(mlp)(params, x)
+    np.testing.assert_array_equal(variant(counting(log)(mlp))(params, x), want)
     assert log == []
 
 

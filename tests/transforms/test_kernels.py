@@ -207,7 +207,8 @@ def _scan_types(jaxpr):
     for e in jaxpr_eqns(jaxpr, "scan"):
         _, num_consts, num_carry, _ = jx.scan_parts(e.params)
         carries = e.invars[num_consts:num_consts + num_carry]
-        types.append(([str(a.aval.dtype) for a in carries], [str(o.aval.dtype) for o in e.outvars]))
+        types.append(([str(a.aval.dtype) for a in carries],
+                      [str(o.aval.dtype) for o in e.outvars]))
     return types
 
 
