@@ -659,9 +659,7 @@ def _eval_kept(closed, args, region, ctx) -> list[Any]:
 
 
 HIGHER_ORDER_RULES: dict[str, Callable] = {
-    "jit": _jit_rule,
-    "closed_call": _jit_rule,
-    "eval_jaxpr": _jit_rule,  # closed_call's name in jax after 0.11.0
+    **dict.fromkeys(jx.FUNCTION_CALLS, _jit_rule),
     "remat2": _remat_rule,
     "shard_map": _shard_map_rule,
     "scan": _scan_rule,
