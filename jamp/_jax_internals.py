@@ -548,10 +548,6 @@ class JVPLevel:
             self._open = False
             self._context.__exit__(None, None, None)
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     def dual(self, primal, tangent):
         """`primal` carrying `tangent` at this level."""
         return _ad.JVPTracer(self.trace, primal, tangent)

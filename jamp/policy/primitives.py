@@ -7,9 +7,8 @@ JAX: a table entry under such a name would match nothing. This module tells the 
 a name that is not a primitive, says what the torch op traces to here. It also sorts primitives
 by what they do to values (move, compute elementwise, reduce), which autocast's rules read.
 
-Of jamp, `policy` imports only `jamp._jax_internals` (here: the call primitives and the walk
-over a jaxpr's equations, which follow JAX's versions there), a leaf that imports nothing of
-jamp, so `policy` stays at the bottom of jamp's dependencies.
+The call primitives and the walk over a jaxpr's equations, which follow JAX's versions, are
+`jamp._jax_internals`' (see `jamp.policy` for why it may import that module).
 """
 
 from __future__ import annotations
