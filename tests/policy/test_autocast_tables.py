@@ -131,8 +131,7 @@ TORCH_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(TORCH_CASES))
-def test_cpu_table_matches_torch_cpu_autocast(case):
-    torch = pytest.importorskip("torch")
+def test_cpu_table_matches_torch_cpu_autocast(torch, case):
     torch_fn, jax_fn = TORCH_CASES[case]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = torch_fn(torch, torch.from_numpy(np.array(X)))

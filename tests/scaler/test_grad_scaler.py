@@ -8,8 +8,6 @@ import pytest
 
 import jamp.scaler as js
 
-torch = pytest.importorskip("torch")
-
 # Settings to replay in torch and jamp: torch's defaults with a short interval so growth
 # happens often, other float32-exact factors, and a scale so large that growth overflows
 # float32 (torch then keeps the scale and resets the tracker).
@@ -28,7 +26,7 @@ def fault_sequence(n, seed):
     return rng.choice(np.array([1.0, np.inf, np.nan], np.float32), size=n, p=[0.8, 0.12, 0.08])
 
 
-def torch_trajectory(settings, faults, x):
+def torch_trajectory(torch, settings, faults, x):
     """Scale, tracker and params after every step of torch's scaler + SGD."""
     scaler = torch.amp.GradScaler("cpu", **settings)
     p = torch.nn.Parameter(torch.ones(4))
@@ -67,9 +65,9 @@ X = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=IDS)
-def test_trajectory_matches_torch_under_scan(settings):
+def test_trajectory_matches_torch_under_scan(torch, settings):
     faults = fault_sequence(1500, seed=len(IDS[SETTINGS.index(settings)]))
-    want_scale, want_tracker, want_params = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, want_params = torch_trajectory(torch, settings, faults, X)
     scaler, sgd = js.GradScaler(**settings), optax.sgd(0.01)
     carry = (scaler.init(), jnp.ones(4), sgd.init(jnp.ones(4)))
     _, (scales, trackers, params) = jax.jit(
@@ -81,10 +79,10 @@ def test_trajectory_matches_torch_under_scan(settings):
     assert (np.diff(want_scale) > 0).any() and (np.diff(want_scale) < 0).any()
 
 
-def test_trajectory_matches_torch_eagerly():
+def test_trajectory_matches_torch_eagerly(torch):
     settings = SETTINGS[0]
     faults = fault_sequence(60, seed=1)
-    want_scale, want_tracker, want_params = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, want_params = torch_trajectory(torch, settings, faults, X)
     scaler, sgd = js.GradScaler(**settings), optax.sgd(0.01)
     carry = (scaler.init(), jnp.ones(4), sgd.init(jnp.ones(4)))
     step = jamp_step(scaler, sgd)
@@ -96,9 +94,9 @@ def test_trajectory_matches_torch_eagerly():
 
 
 @pytest.mark.parametrize("settings", SETTINGS[:2], ids=IDS[:2])
-def test_loss_scaled_with_grad_scaler_matches_torch(settings):
+def test_loss_scaled_with_grad_scaler_matches_torch(torch, settings):
     faults = fault_sequence(400, seed=7)
-    want_scale, want_tracker, want_params = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, want_params = torch_trajectory(torch, settings, faults, X)
     tx = js.loss_scaled(optax.sgd(0.01), js.GradScaler(**settings))
 
     def step(carry, f):
@@ -121,7 +119,7 @@ def test_loss_scaled_with_grad_scaler_matches_torch(settings):
 
 
 @pytest.mark.parametrize("scale", [65536.0, 3.0, 12345.678, 0.1, 2.0**-10, 7.0e30])
-def test_unscale_is_torchs_float32_reciprocal(scale, variant):
+def test_unscale_is_torchs_float32_reciprocal(torch, scale, variant):
     rng = np.random.default_rng(3)
     g = (rng.standard_normal(257) * 1000).astype(np.float32)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)
@@ -136,7 +134,7 @@ def test_unscale_is_torchs_float32_reciprocal(scale, variant):
     assert not bool(found_inf)
 
 
-def test_unscale_half_grads_like_torchs_kernel():
+def test_unscale_half_grads_like_torchs_kernel(torch):
     rng = np.random.default_rng(4)
     g16 = (rng.standard_normal(300) * 100).astype(np.float16)
     scale = 3.0
@@ -162,7 +160,7 @@ def test_unscale_finds_inf_in_any_leaf(bad, variant):
     assert found_inf.dtype == jnp.bool_ and bool(found_inf)
 
 
-def test_scale_dtypes_follow_torch():
+def test_scale_dtypes_follow_torch(torch):
     scaler = js.GradScaler(init_scale=1024.0)
     state = scaler.init()
     loss16 = jnp.float16(2.0)  # a 0-d loss promotes with the float32 scale (as in torch)
@@ -200,7 +198,7 @@ def test_update_accepts_torch_style_float_found_inf():
     assert int(state.growth_tracker) == 1
 
 
-def test_state_dict_has_torchs_five_keys_and_types():
+def test_state_dict_has_torchs_five_keys_and_types(torch):
     ours = js.GradScaler(growth_interval=7)
     theirs = torch.amp.GradScaler("cpu", growth_interval=7)
     sd = ours.state_dict(ours.update(ours.init(), jnp.array(False)))
@@ -210,7 +208,7 @@ def test_state_dict_has_torchs_five_keys_and_types():
                   "growth_interval": 7, "_growth_tracker": 1}
 
 
-def test_torch_state_dict_loads_and_trajectories_continue_together():
+def test_torch_state_dict_loads_and_trajectories_continue_together(torch):
     settings = SETTINGS[0]
     faults = fault_sequence(40, seed=11)
     theirs = torch.amp.GradScaler("cpu", **settings)
@@ -235,7 +233,7 @@ def test_torch_state_dict_loads_and_trajectories_continue_together():
         assert ours.state_dict(state) == theirs.state_dict()
 
 
-def test_jamp_state_dict_loads_into_torch():
+def test_jamp_state_dict_loads_into_torch(torch):
     ours = js.GradScaler(init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25,
                          growth_interval=5)
     state = ours.init()
@@ -247,7 +245,7 @@ def test_jamp_state_dict_loads_into_torch():
     assert theirs.get_scale() == 256.0 and theirs.get_growth_factor() == 4.0
 
 
-def test_disabled_is_a_no_op_like_torch(variant):
+def test_disabled_is_a_no_op_like_torch(torch, variant):
     ours = js.GradScaler(enabled=False)
     theirs = torch.amp.GradScaler("cpu", enabled=False)
     state = ours.init()
@@ -264,7 +262,7 @@ def test_disabled_is_a_no_op_like_torch(variant):
     assert ours.get_scale(ours.load_state_dict({})) == 1.0  # no-op, as torch's
 
 
-def test_load_empty_state_dict_raises_torchs_runtime_error():
+def test_load_empty_state_dict_raises_torchs_runtime_error(torch):
     theirs = torch.amp.GradScaler("cpu")
     with pytest.raises(RuntimeError) as torch_error:
         theirs.load_state_dict({})
@@ -349,14 +347,14 @@ def test_huge_scale_does_not_flush_grads_to_zero(scale, variant):
     assert not bool(found_inf)
 
 
-def test_non_float32_factors_match_torch_with_x64():
+def test_non_float32_factors_match_torch_with_x64(torch):
     # torch applies the factor in double; with x64 on jamp does too, so 2.7 and 0.3 agree.
     enable_x64 = getattr(jax, "enable_x64", None)
     if enable_x64 is None:
         pytest.skip("this jax has no jax.enable_x64 context")
     settings = dict(init_scale=1000.0, growth_factor=2.7, backoff_factor=0.3, growth_interval=2)
     faults = fault_sequence(200, seed=5)
-    want_scale, want_tracker, _ = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, _ = torch_trajectory(torch, settings, faults, X)
     ours = js.GradScaler(**settings)
     with enable_x64(True):
         state = ours.init()
