@@ -1,4 +1,7 @@
-"""torch's GradScaler, functional: parity with the real torch.amp.GradScaler (CPU build)."""
+"""torch's GradScaler, functional: parity with the real torch.amp.GradScaler (CPU build), its
+settings, and its states: values of arrays and hashable settings."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -309,6 +312,86 @@ def test_accessors_and_setters():
         scaler.set_backoff_factor(1.5)
     with pytest.raises(ValueError, match="growth_interval.*integer.*2.5"):
         scaler.set_growth_interval(2.5)
+
+
+def test_equal_settings_give_one_tree_structure_and_one_compile():
+    first, second = js.GradScaler().init(), js.GradScaler().init()
+    assert jax.tree.structure(first) == jax.tree.structure(second)
+    total = jax.tree.map(jnp.add, first, second)
+    assert float(total.loss_scale) == 2.0**17 and total.growth_interval == 2000
+    traces = []
+
+    @jax.jit
+    def step(state):
+        traces.append(state)  # runs once per trace
+        return state.adjust(jnp.array(False))
+
+    for state in (first, second, step(first)):
+        step(state)
+    assert len(traces) == 1
+    # Other settings are another structure: the step traces again and runs them.
+    other = js.GradScaler(backoff_factor=0.25).init()
+    assert jax.tree.structure(other) != jax.tree.structure(first)
+    assert float(step(other).loss_scale) == 2.0**14 and len(traces) == 2
+
+
+def test_loss_scaled_states_of_equal_settings_share_a_compile():
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+    txs = [js.loss_scaled(optax.sgd(0.1), js.GradScaler()) for _ in range(2)]
+    states = [tx.init(params) for tx in txs]
+    assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])
+    traces = []
+
+    @jax.jit
+    def update(opt_state):
+        traces.append(opt_state)
+        return txs[0].update(grads, opt_state, params)
+
+    for state in states:
+        update(state)
+    assert len(traces) == 1
+
+
+def test_setters_take_effect_at_the_next_update_whose_state_carries_them(variant):
+    scaler = js.GradScaler(init_scale=2.0**16, growth_interval=1)
+    state = scaler.init()
+    scaler.set_growth_factor(4.0)
+    new = variant(scaler.update)(state, jnp.array(False))
+    assert scaler.get_scale(new) == 2.0**18 and new.growth_factor == 4.0
+    assert float(new.adjust(True).loss_scale) == 2.0**20
+    assert scaler.state_dict(new)["growth_factor"] == 4.0
+    # A state is a value: the one made before the change keeps its settings.
+    assert state.growth_factor == 2.0 and float(state.adjust(True).loss_scale) == 2.0**17
+
+
+def test_loss_scaled_runs_the_settings_its_state_carries():
+    scaler = js.GradScaler(init_scale=2.0**16, growth_interval=1)
+    tx = js.loss_scaled(optax.sgd(0.1), scaler)  # takes the scaler's settings, as optax
+    scaler.set_growth_factor(8.0)                  # takes a learning rate
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+    update = jax.jit(tx.update)
+    _, opt_state = update(grads, tx.init(params), params)
+    assert float(js.get_loss_scale(opt_state).loss_scale) == 2.0**17
+    changed = dataclasses.replace(js.get_loss_scale(opt_state), growth_factor=4.0)
+    _, opt_state = update(grads, opt_state._replace(loss_scale=changed), params)
+    assert float(js.get_loss_scale(opt_state).loss_scale) == 2.0**19
+
+
+def test_load_state_dict_returns_a_state_of_the_loaded_settings():
+    scaler = js.GradScaler(growth_interval=3)
+    before = scaler.init()
+    state = scaler.load_state_dict({"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.5,
+                                    "growth_interval": 1, "_growth_tracker": 0})
+    assert (state.growth_factor, state.growth_interval) == (3.0, 1)
+    assert float(state.adjust(True).loss_scale) == 8.0 * 3.0
+    assert (before.growth_factor, before.growth_interval) == (2.0, 3)
+
+
+def test_a_state_made_by_hand_checks_its_settings():
+    with pytest.raises(ValueError, match="growth_factor.*> 1.*0.5"):
+        js.GradScalerState(jnp.float32(1.0), jnp.int32(0), growth_factor=0.5)
+    with pytest.raises(TypeError, match="enabled"):
+        js.GradScalerState(jnp.float32(1.0), jnp.int32(0), enabled="yes")
 
 
 BAD = [
