@@ -13,7 +13,7 @@ import numpy as np
 
 import doc_blocks
 
-DOC = pathlib.Path(__file__).parents[1] / "docs" / "autocast.md"
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
 LOW = (jnp.float16, jnp.bfloat16)
 
 
