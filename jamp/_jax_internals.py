@@ -419,15 +419,6 @@ def without_dead_code(jaxpr: Jaxpr) -> Jaxpr:
     return live
 
 
-def jaxprs_in_params(params: dict) -> bool:
-    """True when an equation's params hold sub-jaxprs (a higher-order primitive)."""
-    for value in params.values():
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in values):
-            return True
-    return False
-
-
 def innermost_autodiff(x) -> str | None:
     """Which differentiation acts innermost on `x`: "forward" (`jax.jvp`, `jax.jacfwd`),
     "reverse" (`jax.grad`, `jax.vjp`, which linearize) or None (none, or none visible from

@@ -9,9 +9,10 @@ depends on input i when a chain of equations leads from input i to it through fl
 function closes over are constants: they depend on no input.
 
 The answer is read from the program, not from values, so it is the same eagerly and under
-`jax.jit`: the function is traced once more at its inputs' shapes and dtypes. Each equation's
-outputs get their masks from its operands' by a rule per primitive (`_FLOW_RULES`), as the
-autocast interpreter rewrites each by a rule: a call's body, a cond's branches, every operand.
+`jax.jit`: the function is traced once more at its inputs' shapes and dtypes. An equation's
+outputs take their inputs' masks by a rule per primitive (`_FLOW_RULES`: through a call's
+body, through any of a cond's branches, from every operand by default), as the autocast
+interpreter rewrites each primitive by a rule.
 """
 
 from __future__ import annotations

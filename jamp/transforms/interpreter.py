@@ -132,7 +132,7 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
                           and frame.operand(a).castable else frame.read(a) for a in eqn.invars]
                 outs = rule(eqn, invals, regions[i], ctx,
                             [frame.constant(a) for a in eqn.invars])
-            elif jx.jaxprs_in_params(eqn.params) and not jx.retypeable_scatter(eqn):
+            elif jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
                 outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
             else:
                 outs = _first_order(eqn, regions[i], frame, i in float32)
