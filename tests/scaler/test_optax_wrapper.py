@@ -32,11 +32,11 @@ def make_problem(seed=0):
 FAULTS = np.array([np.inf, 1, 1, 1, 1, np.nan, np.inf, 1, 1, 1, np.inf, 1], np.float32)
 
 
+# The default (None, "dynamic") is a GradScaler's state, as test_loss_scale_spellings checks.
 LOSS_SCALES = [
     ("grad_scaler", lambda: js.GradScaler(growth_interval=3)),
     ("dynamic", lambda: js.DynamicLossScale(jnp.float32(2.0**15), period=3)),
     ("static", lambda: 1024.0),
-    ("default", lambda: None),
 ]
 
 
