@@ -88,7 +88,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller model")
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=None, help="layers (4; 2 with --quick)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     # Many short rounds: one step of each candidate per round keeps the two sides of a paired
@@ -100,7 +100,9 @@ def main():
                         help="donate params and optimizer state to the jitted steps")
     args = parser.parse_args()
     if args.quick:
-        args.depth, args.rounds, args.steps = 2, 3, 3
+        args.rounds, args.steps = 3, 3
+    if args.depth is None:
+        args.depth = 2 if args.quick else 4
 
     model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
     tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 256)

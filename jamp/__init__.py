@@ -40,3 +40,12 @@ from jamp.frontend import (
 )
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "MasterWeightsState",
+    "NoOpLossScale", "Policy", "Properties", "StaticLossScale", "all_finite", "autocast",
+    "autograd", "cast_to_full", "cast_to_half", "custom_bwd", "custom_fwd", "frontend",
+    "get_loss_scale", "get_policy", "half_dtype", "initialize", "load_state_dict",
+    "loss_scaled", "master_params", "master_weights", "policy", "profile", "properties",
+    "scale_loss", "scaled_value_and_grad", "scaler", "select_tree", "state_dict", "transforms",
+]

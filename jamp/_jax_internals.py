@@ -1,7 +1,11 @@
 """Every touch of JAX internals that jamp needs, in one place: autocast's (`jamp.transforms`),
-the autograd tools' (`jamp.autograd`: which differentiation acts on a `Function`, anomaly
-checks, grad mode, dual levels) and the profiler's (`jamp.profile`: name stacks, live
-executables).
+the autograd tools' (`jamp.autograd`: which differentiation acts on a `Function`, what depends
+on what, anomaly checks, grad mode, dual levels), the profiler's (`jamp.profile`: name stacks,
+live executables, the AMP report's tally) and the op tables' (`jamp.policy.primitives`). It
+also holds the facts about JAX's primitives that follow its versions: which primitives are
+calls (`CALLS`) and the one walk over a jaxpr's equations and their bodies (`equations`).
+
+It imports nothing of jamp, so every part of jamp may import it, `jamp.policy` included.
 
 autocast evaluates a jaxpr equation by equation and re-binds higher-order primitives with
 transformed sub-jaxprs. jax.extend.core gives the jaxpr types; the rest (equation name stacks,
@@ -15,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from jax import lax
@@ -193,6 +197,36 @@ def with_result_dtype(params: dict, traced_in, new_in) -> dict:
     return dict(params, **changes) if changes else params
 
 
+# -- calls and the walk over every equation -------------------------------------------------
+
+# Calls: one body (`call_body`) takes the equation's operands and returns its results, so
+# binding the body in the equation's place computes the same values. A function call (`jit`,
+# `closed_call`) is nothing more; `closed_call` is named `eval_jaxpr` from jax 0.11 (same
+# `call_jaxpr` param): the running jax's name.
+FUNCTION_CALLS = frozenset({"jit", jex_core.primitives.closed_call_p.name})
+# With what a call may add around its body: a rematerialization policy (`remat2`) or a custom
+# derivative rule (`custom_jvp_call`, whose rule is lost when its body is bound instead).
+CALLS = FUNCTION_CALLS | {"remat2", "custom_jvp_call"}
+
+
+def bodies(eqn: JaxprEqn) -> list[Jaxpr]:
+    """The jaxprs in an equation's params, open, in the order of its params: a higher-order
+    primitive's bodies (a call's body, a scan's, a while's condition and body, a cond's
+    branches); empty for a first-order equation."""
+    return [getattr(sub, "jaxpr", sub) for sub in jex_core.jaxprs_in_params(eqn.params)]
+
+
+def equations(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
+    """Every equation of `jaxpr` and of the bodies nested in it, depth first: each equation,
+    then those of its bodies. An analysis that must know how a higher-order primitive runs
+    its bodies (once, per iteration, one branch of several) walks `jaxpr.eqns` and `bodies`
+    with a rule per primitive instead."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for body in bodies(eqn):
+            yield from equations(body)
+
+
 def call_body_key(params: dict) -> str:
     """The param holding the body of a `jit` (`jaxpr`) or `closed_call`/`eval_jaxpr`
     (`call_jaxpr`)."""
@@ -214,7 +248,7 @@ def custom_call_body(params: dict) -> ClosedJaxpr:
 
 
 def call_body(eqn: JaxprEqn) -> ClosedJaxpr:
-    """The body of a call: `jit`, `closed_call`, `custom_jvp_call` or `remat2`."""
+    """The body of a call (one of `CALLS`)."""
     name = eqn.primitive.name
     if name == "remat2":
         return remat_body(eqn.params)
@@ -380,17 +414,8 @@ def declares_result_types(params: dict) -> bool:
 def array_literals(closed: ClosedJaxpr) -> list:
     """The values of the array literals of a jaxpr and its sub-jaxprs (closed-over arrays,
     under `jax_use_simplified_jaxpr_constants`)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            found.extend(a.val for a in eqn.invars
-                         if isinstance(a, Literal) and isinstance(a.val, jax.Array))
-            for sub in jex_core.jaxprs_in_params(eqn.params):
-                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-
-    walk(closed.jaxpr)
-    return found
+    return [a.val for eqn in equations(closed.jaxpr) for a in eqn.invars
+            if isinstance(a, Literal) and isinstance(a.val, jax.Array)]
 
 
 def without_dead_code(jaxpr: Jaxpr) -> Jaxpr:
@@ -401,15 +426,6 @@ def without_dead_code(jaxpr: Jaxpr) -> Jaxpr:
     from jax._src.interpreters import partial_eval as _pe
     live, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     return live
-
-
-def jaxprs_in_params(params: dict) -> bool:
-    """True when an equation's params hold sub-jaxprs (a higher-order primitive)."""
-    for value in params.values():
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in values):
-            return True
-    return False
 
 
 def innermost_autodiff(x) -> str | None:
@@ -531,10 +547,6 @@ class JVPLevel:
         if self._open:
             self._open = False
             self._context.__exit__(None, None, None)
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
 
     def dual(self, primal, tangent):
         """`primal` carrying `tangent` at this level."""

@@ -1,5 +1,5 @@
 """Test-wide set-up: eight CPU devices, so sharding tests run on any machine; cheaper XLA
-compiles; the `variant` fixture that runs a test eagerly and under jit.
+compiles; the `variant` fixture that runs a test eagerly and under jit; the `torch` fixture.
 
 XLA reads its flags once, when the backend starts, so they are set before anything imports jax.
 The suite is mostly compiles of small programs: LLVM's lowest optimization level (and, where the
@@ -66,3 +66,10 @@ def variant(request):
     yield wrap
     if not calls:
         pytest.fail(f"{request.node.name} takes `variant` but never calls it")
+
+
+@pytest.fixture(scope="session")
+def torch():
+    """torch (its CPU build), the test-only oracle. A test that takes it is skipped where torch
+    is not installed, and only that test: a file's other tests still run."""
+    return pytest.importorskip("torch")

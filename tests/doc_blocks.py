@@ -6,7 +6,7 @@ The convention every document follows:
 - python blocks run, in the order of the document, in one namespace per document: a block may
   use what earlier blocks of the same document defined. Read top to bottom, a document is a
   script. By default the namespace starts empty; a test may seed it (docs/scaler.md's first
-  examples take `params`, `loss_fn` and `batch` from tests/scaler/test_docs.py).
+  examples take `params`, `loss_fn` and `batch` from tests/scaler/test_docs_scaler.py).
 - pycon blocks are interactive sessions (`>>>` prompts and what Python prints, tracebacks
   included), run as doctests (ELLIPSIS, NORMALIZE_WHITESPACE) in that same namespace, in order
   with the others.

@@ -1,17 +1,19 @@
 """What test modules across the suite share: dtype names, the small float32 inputs, comparisons
-of results and trees, and readers of the dtypes a program computes in (from its jaxpr or its
-lowered StableHLO).
+of results and trees, readers of the dtypes a program computes in (from its jaxpr or its
+lowered StableHLO), and the skip of a test whose example needs the `examples` extra.
 
 Test modules import it as `helpers`: pytest's `pythonpath` setting (pyproject.toml) puts tests/
 on the path.
 """
 
+import importlib.util
 import re
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.extend import core as jex_core
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
@@ -28,6 +30,22 @@ OPT_LEVEL_DTYPES = {
 # An activation and a weight: float32, mixed signs, products well inside float16's range.
 X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
 W = jnp.linspace(0.5, -0.5, 16, dtype=jnp.float32).reshape(4, 4)
+
+
+def needs_examples_extra(*modules: str):
+    """A mark that skips a test where one of `modules`, which the `examples` extra installs
+    (tqdm, sklearn, matplotlib), is missing, saying which and how to install it."""
+    missing = [m for m in modules if not _installed(m)]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}, which the "
+                                                    f"examples extra installs: "
+                                                    f"pip install -e '.[examples]'")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 def rel_err(got, want) -> float:

@@ -1,5 +1,8 @@
-"""The package's metadata holds what its code needs, and nothing it does not."""
+"""The package's metadata holds what its code needs, and nothing it does not; it carries the
+PEP 561 marker; the jax it runs on is inside the range it states, and the README states it."""
 
+import importlib.metadata
+import importlib.resources
 import pathlib
 import re
 import tomllib
@@ -16,3 +19,26 @@ def test_every_runtime_dependency_is_imported_by_jamp():
     imported = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z0-9_]+)", source, re.M))
     unused = [n for n in names if IMPORT_NAMES.get(n, n) not in imported]
     assert not unused, f"runtime dependencies nothing in jamp imports: {unused}"
+
+
+def test_the_installed_package_carries_the_pep_561_marker():
+    assert (importlib.resources.files("jamp") / "py.typed").is_file()
+
+
+def _jax_requirement() -> str:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    return re.search(r'"jax(>=[^"]+)"', pyproject).group(1)
+
+
+def test_the_installed_jax_is_inside_the_supported_range():
+    spec = dict(re.findall(r"([<>]=?)([\d.]+)", _jax_requirement()))
+    installed = tuple(int(p) for p in importlib.metadata.version("jax").split(".")[:2])
+    assert installed >= tuple(int(p) for p in spec[">="].split("."))
+    assert installed < tuple(int(p) for p in spec["<"].split("."))
+
+
+def test_the_readme_version_table_states_the_same_jax_range_and_why():
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| jax / jaxlib"))
+    assert f"`{_jax_requirement()}`" in row
+    assert "_jax_internals.py" in row  # the reason for the cap is stated beside it

@@ -425,7 +425,7 @@ class _Evaluation:
         for eqn in jaxpr.eqns:
             invals = [read(a) for a in eqn.invars]
             name = eqn.primitive.name
-            if name in _INLINED:
+            if name in jx.CALLS and name != "custom_jvp_call":  # a custom_jvp keeps its rule
                 outs = self._eval(jx.call_body(eqn), invals, _frames(eqn, caller))
             elif name == "scan" and self.check:
                 with jx.equation_context(eqn):
@@ -561,9 +561,6 @@ def _format_frames(frames: Sequence[tuple[str, int, str]]) -> str:
 def _frames(eqn, caller: tuple) -> tuple:
     own = jx.user_frames(eqn)
     return tuple(caller) + tuple(f for f in own if f not in caller)
-
-
-_INLINED = frozenset({"jit", "closed_call", "eval_jaxpr", "remat2"})
 
 
 def _primitive_label(eqn) -> str:

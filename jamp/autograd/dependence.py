@@ -9,7 +9,10 @@ depends on input i when a chain of equations leads from input i to it through fl
 function closes over are constants: they depend on no input.
 
 The answer is read from the program, not from values, so it is the same eagerly and under
-`jax.jit`: the function is traced once more at its inputs' shapes and dtypes.
+`jax.jit`: the function is traced once more at its inputs' shapes and dtypes. An equation's
+outputs take their inputs' masks by a rule per primitive (`_FLOW_RULES`: through a call's
+body, through any of a cond's branches, from every operand by default), as the autocast
+interpreter rewrites each primitive by a rule.
 """
 
 from __future__ import annotations
@@ -18,14 +21,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from jamp.policy.primitives import CALLS
 from jamp import _jax_internals as jx
-
-# Higher-order primitives whose body takes exactly the equation's operands.
-_CUSTOM_VJP = "custom_vjp_call"
-_SHARD_MAP = "shard_map"
 
 
 def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[bool, ...], ...]:
@@ -44,14 +41,7 @@ def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[boo
 def contains(fn: Callable[..., Any], args: Sequence[Any], primitive: str) -> bool:
     """True when `fn(*args)` traces to `primitive`, in its body or any nested one."""
     closed = jx.trace_closed(fn, [jax.typeof(a) for a in args])
-    return any(eqn.primitive.name == primitive for eqn in _equations(closed.jaxpr))
-
-
-def _equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            yield from _equations(getattr(sub, "jaxpr", sub))
+    return any(eqn.primitive.name == primitive for eqn in jx.equations(closed.jaxpr))
 
 
 def _differentiable(var) -> bool:
@@ -71,33 +61,52 @@ def _flow(jaxpr, in_masks: list[int]) -> list[int]:
 
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        outs = _equation_flow(eqn, ins)
+        outs = _FLOW_RULES.get(eqn.primitive.name, _from_every_operand)(eqn, ins)
         for var, mask in zip(eqn.outvars, outs, strict=True):
             env[var] = mask if _differentiable(var) else 0
     return [read(v) for v in jaxpr.outvars]
 
 
-def _equation_flow(eqn, ins: list[int]) -> list[int]:
-    name = eqn.primitive.name
-    if name == "stop_gradient":
-        return [0] * len(eqn.outvars)
-    body = None
-    if name in CALLS:
-        body = jx.call_body(eqn).jaxpr
-    elif name == _CUSTOM_VJP:
-        body = jx.custom_call_body(eqn.params).jaxpr
-    elif name == _SHARD_MAP:
-        body = jx.shard_map_body(eqn.params).jaxpr
-    if body is not None and len(body.invars) == len(ins):
-        return _flow(body, ins)
-    if name == "cond":  # the index (an integer) carries nothing; each branch may be taken
-        outs = [0] * len(eqn.outvars)
-        for branch in eqn.params[jx.KEPT_BODY_PARAMS["cond"][0]]:
-            taken = _flow(branch.jaxpr, ins[1:])
-            outs = [a | b for a, b in zip(outs, taken, strict=True)]
-        return outs
-    # Loops and every other primitive: each output may depend on each operand.
+# -- the rules: each output's mask from the operands' masks ---------------------------------
+
+def _from_every_operand(eqn, ins: list[int]) -> list[int]:
+    """Loops and every first-order primitive: each output may depend on each operand."""
     union = 0
     for mask in ins:
         union |= mask
     return [union] * len(eqn.outvars)
+
+
+def _cut(eqn, ins: list[int]) -> list[int]:
+    """`stop_gradient`: nothing flows through."""
+    return [0] * len(eqn.outvars)
+
+
+def _through(body):
+    """The rule of a primitive whose `body(eqn)` takes exactly the equation's operands."""
+
+    def rule(eqn, ins: list[int]) -> list[int]:
+        jaxpr = body(eqn).jaxpr
+        if len(jaxpr.invars) != len(ins):
+            return _from_every_operand(eqn, ins)
+        return _flow(jaxpr, ins)
+
+    return rule
+
+
+def _any_branch(eqn, ins: list[int]) -> list[int]:
+    """`cond`: the index (an integer) carries nothing; each branch may be taken."""
+    outs = [0] * len(eqn.outvars)
+    for branch in jx.bodies(eqn):
+        taken = _flow(branch, ins[1:])
+        outs = [a | b for a, b in zip(outs, taken, strict=True)]
+    return outs
+
+
+_FLOW_RULES = {
+    "stop_gradient": _cut,
+    **dict.fromkeys(jx.CALLS, _through(jx.call_body)),
+    "custom_vjp_call": _through(lambda eqn: jx.custom_call_body(eqn.params)),
+    "shard_map": _through(lambda eqn: jx.shard_map_body(eqn.params)),
+    "cond": _any_branch,
+}

@@ -109,7 +109,7 @@ def initialize(
     """
     enabled = check_bool("enabled", enabled)
     if _is_nnx(apply_fns):
-        from jamp.frontend import nnx_initialization  # flax.nnx only when asked for
+        from jamp.frontend import nnx_initialization  # the NNX form, a module of its own
         return nnx_initialization.initialize_nnx(
             apply_fns, variables, enabled=enabled, opt_level=opt_level,
             cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
@@ -309,7 +309,6 @@ def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
             return cast_outputs(out, outputs_dtype), updates
         return cast_outputs(out, outputs_dtype)
 
-    amp_apply.amp_properties = props
     return amp_apply
 
 

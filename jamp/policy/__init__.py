@@ -3,6 +3,10 @@ tables (`OpTable`, `autocast_table`, `DEFAULT_TABLES` and the rules `LOWER`, `FP
 `ACCUMULATE_FP32`, `FP32_STATISTICS`).
 
 `import jamp.policy as jmp` runs code written against jmp's policy API.
+
+`policy` is at the bottom of jamp's dependencies: of jamp it imports only the two leaf modules
+that import nothing of jamp, `_checks` (argument checks) and `_jax_internals` (JAX's call
+primitives and the walk over a jaxpr's equations).
 """
 
 from jamp.policy.autocast_tables import (

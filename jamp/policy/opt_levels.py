@@ -27,11 +27,10 @@ class AmpConfigurationWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class OptLevel:
-    """One of Apex's presets: a one-line summary, a longer note and its option values."""
+    """One of Apex's presets: a one-line summary and its option values."""
 
     name: str
     brief: str
-    more: str
     options: dict
 
 
@@ -39,29 +38,21 @@ OPT_LEVELS: dict[str, OptLevel] = {
     level.name: level for level in (
         OptLevel(
             "O0", "O0: Pure FP32 training.",
-            "Parameters are checked to be float32 and nothing else changes: a float32 "
-            "baseline to compare the other levels against.",
             dict(enabled=True, opt_level="O0", cast_model_type=np.dtype(jnp.float32),
                  patch_torch_functions=False, keep_batchnorm_fp32=None,
                  master_weights=False, loss_scale=1.0)),
         OptLevel(
             "O1", "O1: Insert automatic casts around JAX operations.",
-            "Weights stay float32; autocast runs matmuls and convolutions in half precision "
-            "and numerically sensitive operations in float32. The safest first try.",
             dict(enabled=True, opt_level="O1", cast_model_type=None,
                  patch_torch_functions=True, keep_batchnorm_fp32=None,
                  master_weights=None, loss_scale="dynamic")),
         OptLevel(
             "O2", "O2: FP16 training with FP32 batchnorm and FP32 master weights.",
-            "The model is cast to float16 except its batch norms; the optimizer keeps float32 "
-            "master weights and copies them into the float16 model after each step.",
             dict(enabled=True, opt_level="O2", cast_model_type=np.dtype(jnp.float16),
                  patch_torch_functions=False, keep_batchnorm_fp32=True,
                  master_weights=True, loss_scale="dynamic")),
         OptLevel(
             "O3", "O3: Pure FP16 training.",
-            "The whole model, batch norms included, is cast to float16 and inputs are cast "
-            "to match: a speed ceiling, which may or may not train well.",
             dict(enabled=True, opt_level="O3", cast_model_type=np.dtype(jnp.float16),
                  patch_torch_functions=False, keep_batchnorm_fp32=False,
                  master_weights=False, loss_scale=1.0)),

@@ -6,6 +6,9 @@ name ATen ops (`softmax`, `layer_norm`, `mse_loss`), most of which are not singl
 JAX: a table entry under such a name would match nothing. This module tells the two apart and, for
 a name that is not a primitive, says what the torch op traces to here. It also sorts primitives
 by what they do to values (move, compute elementwise, reduce), which autocast's rules read.
+
+The call primitives and the walk over a jaxpr's equations, which follow JAX's versions, are
+`jamp._jax_internals`' (see `jamp.policy` for why it may import that module).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+
+from jamp import _jax_internals as jx
 
 
 # -- what primitives do to values: the classes autocast's rules read --------------------------
@@ -59,9 +64,6 @@ CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # What one torch kernel computes from its inputs, as a chain of primitives.
 CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE | ASSEMBLES
          | frozenset({"pad", "gather"}))
-# Calls whose bodies compute in their inputs' dtypes (jit, custom_jvp, remat). `closed_call`
-# is named `eval_jaxpr` from jax 0.11 (same `call_jaxpr` param): the running jax's name.
-CALLS = frozenset({"jit", jex_core.primitives.closed_call_p.name, "custom_jvp_call", "remat2"})
 
 
 def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
@@ -73,16 +75,8 @@ def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
       >>> jamp.transforms.primitive_names(jax.nn.softmax, jnp.ones(3))
       ['reduce_max', 'max', 'broadcast_in_dim', 'stop_gradient', 'sub', 'exp', 'reduce_sum', 'div']
     """
-    seen: dict[str, None] = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            seen.setdefault(eqn.primitive.name)
-            for sub in jex_core.jaxprs_in_params(eqn.params):
-                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-
-    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
-    return list(seen)
+    jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
+    return list(dict.fromkeys(eqn.primitive.name for eqn in jx.equations(jaxpr)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -155,15 +149,13 @@ for _alias, _name in (("layernorm", "layer_norm"), ("group_norm", "layer_norm"),
     TORCH_COMPOSITES[_alias] = TORCH_COMPOSITES[_name]
 
 
-
-
 def unknown_name_hint(name: str) -> str:
     """What to write instead of `name`, which is not a primitive."""
     composite = TORCH_COMPOSITES.get(name.lower()) if isinstance(name, str) else None
     if composite is not None:
         # Moves and calls are left out: a table rule for them decides nothing.
         emitted = [p for p in composite()
-                   if p not in MOVES | CALLS and p != "stop_gradient"]
+                   if p not in MOVES | jx.CALLS and p != "stop_gradient"]
         return f"torch's {name!r} is not one primitive here: it traces to {', '.join(emitted)}."
     close = difflib.get_close_matches(str(name), sorted(_public_primitive_names()), n=3)
     if close:

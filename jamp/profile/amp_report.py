@@ -6,31 +6,28 @@ included, is counted by primitive and by Flax module, with the FLOPs of its matm
 convolutions and the bytes of its operands and results by dtype. The converts are those of the
 lowered program; the compiled program adds XLA's own estimates of FLOPs, bytes accessed and
 memory.
+
+The count is `tally`'s, the converts `stablehlo_converts`'; this module holds the report: its
+rows, its text table and its plot.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
-import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
+from jamp.profile import stablehlo_converts
 from jamp.profile.table import format_memory
-from jamp.profile import scopes
+from jamp.profile.tally import CONVERT, Stats, Tally
 from jamp import _jax_internals as jx
 
-# The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
-MATMULS = ("dot_general", "conv_general_dilated")
 HALF_DTYPES = ("float16", "bfloat16")
 TOP_LEVEL = "(top level)"
 
-_CONVERT = "convert_element_type"
 # `jax.jit`'s wrapper type: an already jitted function is traced, lowered and compiled through
 # its own caches, so a report on a training step a script already compiled compiles nothing.
 _JITTED = type(jax.jit(lambda: None))
@@ -283,273 +280,24 @@ def amp_report(fn: Callable, *args: Any, **kwargs: Any) -> AmpReport:
             f"amp_report traces fn as jax.jit does, and jax.jit refuses one of its arguments: "
             f"{error}\nBind arguments that are not arrays first, e.g. "
             f"amp_report(functools.partial(fn, option=value), *arrays).") from error
-    tally = _Tally()
+    tally = Tally()
     tally.walk(jx.without_dead_code(traced.jaxpr.jaxpr), (), 1)
     lowered = traced.lower()
-    return _report(tally, _lowering_converts(tally.examples),
-                   _compiled_stats(lowered.compile(), _converts_in(lowered.as_text())))
-
-
-# -- counting the program -------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Stats:
-    static: int = 0
-    count: int = 0
-    flops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-
-    def add(self, other: "_Stats", times: int = 1, static: bool = True) -> None:
-        self.static += other.static if static else 0
-        self.count += other.count * times
-        for mine, theirs in ((self.flops, other.flops), (self.bytes, other.bytes)):
-            for dtype, n in theirs.items():
-                mine[dtype] += n * times
-
-
-class _Tally:
-    """The statistics of a program, keyed by `("eqn", primitive, module path, lowering)`
-    (`lowering` names a first-order equation's lowering, None for others) and, for casts,
-    `("convert", source, target, module path)`. A sub-program is counted into a tally of its
-    own, then added in as often as it runs."""
-
-    def __init__(self, parent: "_Tally | None" = None):
-        self.stats: dict[tuple, _Stats] = collections.defaultdict(_Stats)
-        # Shared by a program and its sub-programs: one equation per kind of lowering, and
-        # the jit bodies already counted statically (jax lowers a jit body called from
-        # several places to one function).
-        self.examples: dict[Any, Any] = {} if parent is None else parent.examples
-        self.written_jits: dict[int, Any] = {} if parent is None else parent.written_jits
-
-    def add(self, other: "_Tally", times: int, static: bool = True) -> None:
-        for key, stats in other.stats.items():
-            self.stats[key].add(stats, times, static)
-
-    def cost(self) -> tuple[int, int]:
-        """Executed (FLOPs, bytes): what picks a cond's most expensive branch."""
-        flops = sum(sum(s.flops.values()) for s in self.stats.values())
-        return flops, sum(sum(s.bytes.values()) for s in self.stats.values())
-
-    def walk(self, jaxpr, path: tuple[str, ...], times: int) -> None:
-        for eqn in jaxpr.eqns:
-            here = scopes.module_path(path, jx.scope_names(eqn))
-            bodies = list(jex_core.jaxprs_in_params(eqn.params))
-            if bodies:  # a higher-order equation: its work is its bodies'
-                own = self.stats[("eqn", eqn.primitive.name, here, None)]
-                self._walk_bodies(eqn, bodies, here, times)
-            elif eqn.primitive.name == _CONVERT:
-                own = self.stats[("eqn", eqn.primitive.name, here, None)]
-                self._note_convert(eqn, here, times)
-            else:
-                lowering = _lowering_key(eqn)
-                self.examples.setdefault(lowering, eqn)
-                own = self.stats[("eqn", eqn.primitive.name, here, lowering)]
-            own.static += 1
-            own.count += times
-            if not bodies:
-                flops = _matmul_flops(eqn)
-                if flops:
-                    own.flops[_compute_dtype(eqn)] += flops * times
-                for atom in (*eqn.invars, *eqn.outvars):
-                    dtype, size = _array_bytes(atom.aval)
-                    if size:
-                        own.bytes[dtype] += size * times
-
-    def _note_convert(self, eqn, path: tuple[str, ...], times: int) -> None:
-        # A weak-type change (float32 -> float32) is a convert of the lowered program too,
-        # one XLA removes: counted, so that the count is the program's.
-        source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-        stats = self.stats[("convert", str(source), str(target), path)]
-        stats.static += 1
-        stats.count += times
-        stats.bytes[str(target)] += _array_bytes(eqn.outvars[0].aval)[1] * times
-
-    def _walk_bodies(self, eqn, bodies: list, path: tuple[str, ...], times: int) -> None:
-        name = eqn.primitive.name
-        if name == "cond":  # one branch runs, which one is known only then: the costliest
-            branches = [self._sub(body, path) for body in bodies]
-            costliest = max(branches, key=_Tally.cost)
-            for branch in branches:
-                self.add(branch, times if branch is costliest else 0)
-            return
-        if name == "scan":
-            times *= eqn.params["length"]
-        elif name == "shard_map":  # the body is one device's share: it runs on each
-            times *= _shard_count(eqn.params)
-        # A jit body jax copies into each caller (`jax.jit(inline=True)` from jax 0.11) is
-        # written once per call.
-        shared = name == "jit" and not jx.jit_inlined_when_lowered(eqn.params)
-        for body in bodies:
-            written = shared and id(body) in self.written_jits
-            if shared:
-                self.written_jits[id(body)] = body  # kept alive: its id stays its own
-            self.add(self._sub(body, path), times, static=not written)
-
-    def _sub(self, body, path: tuple[str, ...]) -> "_Tally":
-        sub = _Tally(self)
-        sub.walk(getattr(body, "jaxpr", body), path, 1)
-        return sub
-
-
-def _matmul_flops(eqn) -> int:
-    """2 * the multiply-adds of a matmul or convolution; 0 for every other primitive."""
-    name = eqn.primitive.name
-    if name not in MATMULS:
-        return 0
-    lhs, rhs = (a.aval.shape for a in eqn.invars[:2])
-    out = eqn.outvars[0].aval.shape
-    if name == "dot_general":
-        # Each output element (batch x m x n of them) sums k products.
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        return 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
-    # Each output element sums a kernel window of products over the kernel's input features,
-    # which are one group's input features (feature_group_count already divided them).
-    rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, window)
-    window = math.prod(rhs[d] for d in rhs_spec[2:])
-    return 2 * math.prod(out) * window * rhs[rhs_spec[1]]
-
-
-def _compute_dtype(eqn) -> str:
-    """The dtype a matmul computes in: its operands' (promoted, if they differ)."""
-    lhs, rhs = (a.aval.dtype for a in eqn.invars[:2])
-    return str(jnp.promote_types(lhs, rhs))
-
-
-def _array_bytes(aval) -> tuple[str, int]:
-    """(dtype name, bytes) of an array's abstract value; ("", 0) for tokens and the like."""
-    dtype, shape = getattr(aval, "dtype", None), getattr(aval, "shape", None)
-    if dtype is None or shape is None:
-        return "", 0
-    return str(dtype), math.prod(shape) * getattr(dtype, "itemsize", 0)
-
-
-def _shard_count(params: dict) -> int:
-    """The devices a shard_map body runs on: the sizes of its manual mesh axes."""
-    options = jx.shard_map_options(params)
-    sizes = dict(options["mesh"].shape)
-    return math.prod(sizes[a] for a in options.get("axis_names", sizes))
-
-
-# -- converts that other primitives lower to -------------------------------------------------
-#
-# A few primitives lower to a `stablehlo.convert` of their own: `pow` with an integer exponent
-# converts it, a `gather` that fills out-of-bounds reads converts its indices. Which ones, and
-# when, is the lowering rules' business and changes between jax versions, so it is measured:
-# every kind of first-order equation of the program is lowered once, all together in one
-# program, and a program that converts is split in halves until each convert is pinned on
-# its equation.
-
-def _lowering_key(eqn) -> tuple:
-    """What an equation's lowering depends on: the primitive, its params, the operand
-    types and which operands are literals (with their values when they are scalars: an
-    array literal, a closed-over constant, is known by its type)."""
-    operands = tuple(
-        (a.aval.shape, str(a.aval.dtype), getattr(a.aval, "weak_type", False),
-         isinstance(a, jx.Literal) and (repr(a.val) if np.ndim(a.val) == 0 else "array"))
-        for a in eqn.invars)
-    return eqn.primitive.name, repr(sorted(eqn.params.items())), operands
-
-
-def _lowering_converts(examples: Mapping[Any, Any]) -> dict[Any, list[tuple[str, str, int]]]:
-    """The `(source, target, bytes written)` of each convert that each kind of equation
-    lowers to, for those that lower to any."""
-    found: dict[Any, list[tuple[str, str, int]]] = {}
-
-    def probe(keys: Sequence[Any], converts: list | None) -> None:
-        # `converts`: those of `keys` lowered together; None when they cannot be (a psum
-        # outside its shard_map): then the halves are tried, down to single equations.
-        if converts == []:
-            return
-        if len(keys) == 1:
-            if converts:
-                found[keys[0]] = converts
-            return
-        first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
-        in_first = _lowered_converts([examples[k] for k in first])
-        everything_in_first = (converts is not None and in_first is not None
-                               and len(in_first) == len(converts))
-        in_second = [] if everything_in_first else _lowered_converts(
-            [examples[k] for k in second])
-        probe(first, in_first)
-        probe(second, in_second)
-
-    keys = list(examples)
-    if keys:
-        probe(keys, _lowered_converts([examples[k] for k in keys]))
-    return found
-
-
-def _lowered_converts(eqns: Sequence[Any]) -> list[tuple[str, str, int]] | None:
-    """The converts of a program binding each of `eqns` once on inputs of their types, or
-    None when it cannot be lowered."""
-    specs = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype,
-                                  weak_type=getattr(a.aval, "weak_type", False))
-             for eqn in eqns for a in eqn.invars if not isinstance(a, jx.Literal)]
-
-    def program(*arrays):
-        arrays, outs = iter(arrays), []
-        for eqn in eqns:
-            values = [a.val if isinstance(a, jx.Literal) else next(arrays) for a in eqn.invars]
-            outs += jx.bind(eqn, eqn.params, values)
-        return outs
-
-    try:
-        text = jax.jit(program).lower(*specs).as_text()
-    except Exception:  # noqa: BLE001 -- any lowering failure means "not on its own"
-        return None
-    return _converts_in(text)
-
-
-# `%3 = stablehlo.convert %2 : (tensor<4x8xbf16>) -> tensor<4x8xf32>`, or with one type
-# when source and target are the same (`: tensor<1xi32>`).
-_CONVERT_OP = re.compile(r"stablehlo\.convert\s+%[^:]*:\s*(?:\((tensor<[^>]*>)\)\s*->\s*)?"
-                         r"(tensor<[^>]*>)")
-_TENSOR = re.compile(r"tensor<((?:[0-9?]+x)*)(.*?)>*$")  # dimensions, element type
-_MLIR_TYPES = {"i1": "bool", "bf16": "bfloat16", "f16": "float16", "f32": "float32",
-               "f64": "float64", "complex<f32": "complex64", "complex<f64": "complex128"}
-
-
-def _converts_in(text: str) -> list[tuple[str, str, int]]:
-    """`(source dtype, target dtype, bytes written)` of each `stablehlo.convert` in `text`."""
-    found = []
-    for match in _CONVERT_OP.finditer(text):
-        _, source_element = _TENSOR.match(match.group(1) or match.group(2)).groups()
-        dims, element = _TENSOR.match(match.group(2)).groups()
-        target = _dtype_name(element)
-        found.append((_dtype_name(source_element), target, _tensor_bytes(dims, target)))
-    return found
-
-
-def _dtype_name(element: str) -> str:
-    """The dtype name of an MLIR element type: `f8E4M3FN` -> `float8_e4m3fn`."""
-    if element in _MLIR_TYPES:
-        return _MLIR_TYPES[element]
-    kind = re.fullmatch(r"(ui|i|f)(\d+)(\w*)", element)
-    if kind is None:
-        return element
-    prefix, bits, variant = kind.groups()
-    name = {"ui": "uint", "i": "int", "f": "float"}[prefix] + bits
-    return name + (f"_{variant.lower()}" if variant else "")
-
-
-def _tensor_bytes(dims: str, dtype: str) -> int:
-    """The bytes of a tensor of MLIR dimensions `dims` (`4x8x`) and dtype `dtype`."""
-    try:
-        return math.prod(int(d) for d in dims.split("x") if d) * jnp.dtype(dtype).itemsize
-    except (TypeError, ValueError):  # a dynamic dimension (`?`), a type numpy does not know
-        return 0
+    return _report(tally, stablehlo_converts.lowering_converts(tally.examples),
+                   _compiled_stats(lowered.compile(),
+                                   stablehlo_converts.converts_in(lowered.as_text())))
 
 
 # -- the report -----------------------------------------------------------------------------
 
-def _report(tally: _Tally, lowering_converts: Mapping[Any, list], compiled) -> AmpReport:
-    primitives = collections.defaultdict(_Stats)
-    modules = collections.defaultdict(_Stats)
-    converts = collections.defaultdict(_Stats)
+def _report(tally: Tally, lowering_converts: Mapping[Any, list], compiled) -> AmpReport:
+    primitives = collections.defaultdict(Stats)
+    modules = collections.defaultdict(Stats)
+    converts = collections.defaultdict(Stats)
     for key, stats in tally.stats.items():
         if key[0] == "convert":
             _, source, target, _ = key
-            converts[(source, target, _CONVERT)].add(stats)
+            converts[(source, target, CONVERT)].add(stats)
             continue
         _, name, path, lowering = key
         primitives[name].add(stats)
@@ -559,7 +307,7 @@ def _report(tally: _Tally, lowering_converts: Mapping[Any, list], compiled) -> A
             extra.static += stats.static
             extra.count += stats.count
             extra.bytes[target] += size * stats.count
-    total = _Stats()
+    total = Stats()
     for stats in primitives.values():
         total.add(stats)
     half = sum(n for dtype, n in total.flops.items() if dtype in HALF_DTYPES)
@@ -575,7 +323,7 @@ def _report(tally: _Tally, lowering_converts: Mapping[Any, list], compiled) -> A
         compiled=compiled)
 
 
-def _rows(stats: Mapping[str, _Stats]) -> tuple[Row, ...]:
+def _rows(stats: Mapping[str, Stats]) -> tuple[Row, ...]:
     rows = [Row(name, s.static, s.count, _plain(s.flops), _plain(s.bytes))
             for name, s in stats.items()]
     return tuple(sorted(rows, key=lambda r: (-sum(r.flops.values()), -sum(r.bytes.values()),

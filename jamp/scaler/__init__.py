@@ -5,7 +5,7 @@
 """
 
 from jamp._checks import NotScalarBoolError, StateDictKeyError
-from jamp.scaler import serialization as _serialization  # registers the flax state dicts
+from jamp.scaler import serialization  # registers the states' flax state dicts
 from jamp.scaler.dynamic_scale import DynamicScale, DynamicScaleResult
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
@@ -23,8 +23,6 @@ from jamp.scaler.optax_wrapper import (
     loss_scaled,
 )
 from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
-
-del _serialization
 
 __all__ = [
     "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",

@@ -6,10 +6,12 @@ its step. The update is torch's `_amp_update_scale_` rule, the unscale multiplie
 float32 reciprocal of the scale, and `state_dict` / `load_state_dict` speak torch's five keys,
 so a checkpoint moves between torch and jamp in both directions.
 
-The settings have one home, the `GradScaler`: every state it makes reads them from it, so
-`update`, the state's own `adjust`, `loss_scaled` and `state_dict` always agree, and a `set_*`
-call takes effect at the next update, as in torch (a jitted step traces again when it sees a
-changed scaler).
+A state is a value, as optax's and flax's `DynamicScale` are: two arrays, and the settings it
+was made with as hashable Python numbers in its pytree's static structure. States of equal
+settings have equal tree structures (`jax.tree.map` takes two of them; a jitted step compiles
+once for all of them); a state of other settings is another structure, for which a jitted step
+traces again. A `set_*` call takes effect at the scaler's next `update`, as in torch: `update`
+returns a state with the scaler's settings.
 """
 
 from __future__ import annotations
@@ -58,52 +60,56 @@ def _times(scale: jax.Array, factor: float) -> jax.Array:
     return scale * np.float32(factor)
 
 
+_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval", "enabled")
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class GradScalerState:
-    """The changing part of a `GradScaler`, a pytree; also a loss scale object.
+    """What a `GradScaler` step changes, with the settings it runs with; a pytree and a loss
+    scale object (`scale`, `unscale`, `adjust`: what `loss_scaled` calls).
 
     Leaves: `loss_scale` (float32 scalar, torch's `_scale`) and `growth_tracker` (int32 scalar,
-    the count of recent consecutive finite steps). The settings are not copied here: the state
-    reads them from the `GradScaler` that made it, so `scale`, `unscale` and `adjust` work on
-    their own (inside `loss_scaled`, say) and agree with `GradScaler.update`, and a `set_*`
-    call on the scaler reaches its states at their next update, as in torch. The settings in
-    force are part of the pytree's static structure: a jitted step whose scaler was changed
-    traces again rather than run with the old settings.
+    the count of recent consecutive finite steps). The settings are hashable Python values in
+    the pytree's static structure, as in flax's `DynamicScale`: states of equal settings have
+    one tree structure, whichever scaler made them. Make states with `GradScaler.init`,
+    `update` or `load_state_dict`, which give them the scaler's settings in force.
 
     Attributes:
       loss_scale: the current scale.
       growth_tracker: consecutive finite steps since the last growth or back-off.
-      scaler: the `GradScaler` whose settings apply.
+      growth_factor: multiplies the scale after `growth_interval` consecutive finite steps.
+      backoff_factor: multiplies the scale after a step with inf or nan grads.
+      growth_interval: consecutive finite steps between growths.
+      enabled: False makes `scale`, `unscale` and `adjust` no-ops.
     """
 
     loss_scale: Any
     growth_tracker: Any
-    scaler: "GradScaler" = dataclasses.field(default_factory=lambda: GradScaler())
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def __post_init__(self):
+        if check_bool("enabled", self.enabled):
+            check_growth_factor("growth_factor", self.growth_factor)
+            check_backoff_factor("backoff_factor", self.backoff_factor)
+            check_interval("growth_interval", self.growth_interval)
 
     def tree_flatten(self):
-        # The snapshot of the settings makes a changed scaler a different pytree structure.
-        return (self.loss_scale, self.growth_tracker), (self.scaler, self.scaler._settings())
+        return ((self.loss_scale, self.growth_tracker),
+                tuple(getattr(self, name) for name in _SETTINGS))
 
     @classmethod
-    def tree_unflatten(cls, meta, leaves) -> "GradScalerState":
-        return cls(*leaves, meta[0])
-
-    @property
-    def growth_factor(self) -> float:
-        return self.scaler.get_growth_factor()
-
-    @property
-    def backoff_factor(self) -> float:
-        return self.scaler.get_backoff_factor()
-
-    @property
-    def growth_interval(self) -> int:
-        return self.scaler.get_growth_interval()
-
-    @property
-    def enabled(self) -> bool:
-        return self.scaler.is_enabled()
+    def tree_unflatten(cls, settings, leaves) -> "GradScalerState":
+        # Built without __post_init__: JAX passes placeholder leaves here, and the settings
+        # were checked when the flattened state was made.
+        state = object.__new__(cls)
+        for name, value in zip(("loss_scale", "growth_tracker", *_SETTINGS),
+                               (*leaves, *settings)):
+            object.__setattr__(state, name, value)
+        return state
 
     def scale(self, outputs: T) -> T:
         """Multiplies the floating leaves of `outputs` by the scale (torch's dtype rule).
@@ -220,16 +226,14 @@ class GradScaler:
                 f"{self._growth_factor!r}, backoff_factor={self._backoff_factor!r}, "
                 f"growth_interval={self._growth_interval!r}, enabled={self._enabled!r})")
 
-    def _settings(self) -> tuple:
-        """The settings in force, hashable: part of every state's pytree structure."""
-        return (float(self._growth_factor), float(self._backoff_factor),
-                int(self._growth_interval), self._enabled)
-
     def _state(self, scale, tracker) -> GradScalerState:
+        """A state of the settings in force, as hashable Python numbers."""
         if not self._enabled:
             scale, tracker = 1.0, 0
-        return GradScalerState(jnp.asarray(scale, jnp.float32), jnp.asarray(tracker, jnp.int32),
-                               self)
+        return GradScalerState(
+            jnp.asarray(scale, jnp.float32), jnp.asarray(tracker, jnp.int32),
+            growth_factor=float(self._growth_factor), backoff_factor=float(self._backoff_factor),
+            growth_interval=int(self._growth_interval), enabled=self._enabled)
 
     def init(self) -> GradScalerState:
         """A fresh state: the scale at `init_scale` (1.0 when disabled), the tracker at 0."""
@@ -292,7 +296,7 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Sets the growth factor (> 1) used by later `update` calls and states."""
+        """Sets the growth factor (> 1) of later `update` calls and the states they return."""
         check_growth_factor("growth_factor", new_factor)
         self._growth_factor = new_factor
 
@@ -301,7 +305,7 @@ class GradScaler:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Sets the back-off factor, in (0, 1), used by later `update` calls and states."""
+        """Sets the back-off factor, in (0, 1), of later `update` calls and their states."""
         check_backoff_factor("backoff_factor", new_factor)
         self._backoff_factor = new_factor
 
@@ -310,7 +314,8 @@ class GradScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Sets the growth interval, an integer >= 1."""
+        """Sets the growth interval, an integer >= 1, of later `update` calls and their
+        states."""
         self._growth_interval = check_interval("growth_interval", new_interval)
 
     def is_enabled(self) -> bool:

@@ -31,9 +31,9 @@ from typing import Mapping, Sequence
 
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
-from jamp.policy.primitives import (
-    CALLS, CHAIN, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SUMS)
+from jamp.policy.primitives import CHAIN, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SUMS
 from jamp import _jax_internals as jx
+from jamp._jax_internals import CALLS
 from jamp.transforms.autocast_rules import (
     Region, apply_markers, is_castable, is_floating, parse_markers)
 

@@ -132,7 +132,7 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
                           and frame.operand(a).castable else frame.read(a) for a in eqn.invars]
                 outs = rule(eqn, invals, regions[i], ctx,
                             [frame.constant(a) for a in eqn.invars])
-            elif jx.jaxprs_in_params(eqn.params) and not jx.retypeable_scatter(eqn):
+            elif jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
                 outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
             else:
                 outs = _first_order(eqn, regions[i], frame, i in float32)
@@ -659,9 +659,7 @@ def _eval_kept(closed, args, region, ctx) -> list[Any]:
 
 
 HIGHER_ORDER_RULES: dict[str, Callable] = {
-    "jit": _jit_rule,
-    "closed_call": _jit_rule,
-    "eval_jaxpr": _jit_rule,  # closed_call's name in jax after 0.11.0
+    **dict.fromkeys(jx.FUNCTION_CALLS, _jit_rule),
     "remat2": _remat_rule,
     "shard_map": _shard_map_rule,
     "scan": _scan_rule,

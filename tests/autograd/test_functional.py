@@ -9,10 +9,13 @@ import pytest
 
 from jamp.autograd import functional as F
 
-torch = pytest.importorskip("torch")
-TF = torch.autograd.functional
-
 pytestmark = pytest.mark.usefixtures("x64")
+
+
+@pytest.fixture
+def TF(torch):
+    """torch.autograd.functional, the oracle."""
+    return torch.autograd.functional
 
 X = np.array([0.3, -1.2])
 Y = np.array([0.5, 2.0, -0.7])
@@ -53,7 +56,7 @@ CASES = {  # name: (function, inputs)
 SCALAR_CASES = {"one": (scalar_of_one, (X,)), "two": (scalar_of_two, (X, Y))}
 
 
-def as_torch(arrays, single):
+def as_torch(torch, arrays, single):
     out = tuple(torch.tensor(np.asarray(a)) for a in arrays)
     return out[0] if single else out
 
@@ -78,46 +81,46 @@ def assert_same(got, want):
     np.testing.assert_allclose(np.asarray(got), want.detach().numpy(), rtol=1e-12, atol=1e-12)
 
 
-def call_both(jamp_call, torch_call, case, variant):
+def call_both(torch, jamp_call, torch_call, case, variant):
     """Runs `jamp_call(jamp_inputs)` (under `variant`) and `torch_call(torch_inputs)` for a case
     and checks they agree."""
     fn, arrays = case
     single = len(arrays) == 1
     got = variant(lambda *xs: jamp_call(fn(jnp), xs[0] if single else xs))(
         *as_jax(arrays, False))
-    want = torch_call(fn(torch), as_torch(arrays, single))
+    want = torch_call(fn(torch), as_torch(torch, arrays, single))
     assert_same(got, want)
 
 
 # -- values and structures --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", CASES)
-def test_jacobian_matches_torch(name, variant):
-    call_both(F.jacobian, TF.jacobian, CASES[name], variant)
+def test_jacobian_matches_torch(torch, TF, name, variant):
+    call_both(torch, F.jacobian, TF.jacobian, CASES[name], variant)
 
 
 @pytest.mark.parametrize("name", ["one-to-two", "two-to-two"])
-def test_forward_mode_jacobian_matches_torch(name, variant):
-    call_both(lambda f, x: F.jacobian(f, x, vectorize=True, strategy="forward-mode"),
+def test_forward_mode_jacobian_matches_torch(torch, TF, name, variant):
+    call_both(torch, lambda f, x: F.jacobian(f, x, vectorize=True, strategy="forward-mode"),
               lambda f, x: TF.jacobian(f, x, vectorize=True, strategy="forward-mode"),
               CASES[name], variant)
 
 
 @pytest.mark.parametrize("name", SCALAR_CASES)
-def test_hessian_matches_torch(name, variant):
-    call_both(F.hessian, TF.hessian, SCALAR_CASES[name], variant)
+def test_hessian_matches_torch(torch, TF, name, variant):
+    call_both(torch, F.hessian, TF.hessian, SCALAR_CASES[name], variant)
 
 
-def test_forward_over_reverse_hessian_matches_torch():
-    call_both(lambda f, x: F.hessian(f, x, vectorize=True,
+def test_forward_over_reverse_hessian_matches_torch(torch, TF):
+    call_both(torch, lambda f, x: F.hessian(f, x, vectorize=True,
                                      outer_jacobian_strategy="forward-mode"),
               lambda f, x: TF.hessian(f, x, vectorize=True,
                                       outer_jacobian_strategy="forward-mode"),
               SCALAR_CASES["two"], jax.jit)
 
 
-def test_hessian_of_a_one_element_output_has_the_inputs_shape():
-    call_both(F.hessian, TF.hessian, (lambda m: lambda x: (x ** 3).sum().reshape(1, 1), (X,)),
+def test_hessian_of_a_one_element_output_has_the_inputs_shape(torch, TF):
+    call_both(torch, F.hessian, TF.hessian, (lambda m: lambda x: (x ** 3).sum().reshape(1, 1), (X,)),
               lambda f: f)
 
 
@@ -129,49 +132,49 @@ def _v_like(structure):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_vjp_matches_torch(name, variant):
+def test_vjp_matches_torch(torch, TF, name, variant):
     fn, arrays = CASES[name]
-    v = _v_like(fn(torch)(*as_torch(arrays, False)))
+    v = _v_like(fn(torch)(*as_torch(torch, arrays, False)))
 
     def to(lib, value):
         if isinstance(value, tuple):
             return tuple(to(lib, x) for x in value)
         return jnp.asarray(value) if lib == "jax" else torch.tensor(value)
 
-    call_both(lambda f, x: F.vjp(f, x, to("jax", v)),
+    call_both(torch, lambda f, x: F.vjp(f, x, to("jax", v)),
               lambda f, x: TF.vjp(f, x, to("torch", v)), CASES[name], variant)
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_jvp_matches_torch(name, variant):
+def test_jvp_matches_torch(torch, TF, name, variant):
     fn, arrays = CASES[name]
     single = len(arrays) == 1
     v = tuple(_v_like(a) for a in arrays)
-    call_both(lambda f, x: F.jvp(f, x, as_jax(v, single)),
-              lambda f, x: TF.jvp(f, x, as_torch(v, single)), CASES[name], variant)
+    call_both(torch, lambda f, x: F.jvp(f, x, as_jax(v, single)),
+              lambda f, x: TF.jvp(f, x, as_torch(torch, v, single)), CASES[name], variant)
 
 
 @pytest.mark.parametrize("which", ["hvp", "vhp"])
 @pytest.mark.parametrize("name", SCALAR_CASES)
-def test_hvp_and_vhp_match_torch(name, which, variant):
+def test_hvp_and_vhp_match_torch(torch, TF, name, which, variant):
     fn, arrays = SCALAR_CASES[name]
     single = len(arrays) == 1
     v = tuple(_v_like(a) for a in arrays)
-    call_both(lambda f, x: getattr(F, which)(f, x, as_jax(v, single)),
-              lambda f, x: getattr(TF, which)(f, x, as_torch(v, single)),
+    call_both(torch, lambda f, x: getattr(F, which)(f, x, as_jax(v, single)),
+              lambda f, x: getattr(TF, which)(f, x, as_torch(torch, v, single)),
               SCALAR_CASES[name], variant)
 
 
-def test_v_may_be_none_for_a_single_element():
+def test_v_may_be_none_for_a_single_element(torch, TF):
     scalar = (scalar_of_one, (X,))
-    call_both(F.vjp, TF.vjp, scalar, lambda f: f)
+    call_both(torch, F.vjp, TF.vjp, scalar, lambda f: f)
     one = (lambda m: lambda x: (m.sin(x) * x, x ** 2), (np.array([0.4]),))
-    call_both(F.jvp, TF.jvp, one, lambda f: f)
-    call_both(F.hvp, TF.hvp, (lambda m: lambda x: (x ** 4).sum(), (np.array([[0.7]]),)),
+    call_both(torch, F.jvp, TF.jvp, one, lambda f: f)
+    call_both(torch, F.hvp, TF.hvp, (lambda m: lambda x: (x ** 4).sum(), (np.array([[0.7]]),)),
               lambda f: f)
 
 
-def test_an_integer_output_carries_no_gradient_as_in_torch(variant):
+def test_an_integer_output_carries_no_gradient_as_in_torch(torch, TF, variant):
     x, v = torch.tensor(X), (torch.ones(2, dtype=torch.float64), torch.tensor(5))
     want = TF.vjp(lambda a: (a * 2, a.argmax()), x, v)[1]
     got = variant(lambda a: F.vjp(lambda b: (b * 2, jnp.argmax(b)), a,
@@ -179,7 +182,7 @@ def test_an_integer_output_carries_no_gradient_as_in_torch(variant):
     np.testing.assert_array_equal(got, want.numpy())
 
 
-def test_results_are_differentiable_again_as_with_create_graph():
+def test_results_are_differentiable_again_as_with_create_graph(torch, TF):
     """d/dx sum(jacobian(f)(x)) and d/dx sum(vhp): torch's create_graph=True backward."""
     x = torch.tensor(X, requires_grad=True)
     TF.jacobian(one_to_two(torch), x, create_graph=True)[0].sum().backward()
@@ -193,7 +196,7 @@ def test_results_are_differentiable_again_as_with_create_graph():
     np.testing.assert_allclose(got, x.grad.numpy(), rtol=1e-12)
 
 
-def test_under_vmap():
+def test_under_vmap(torch, TF):
     xs = jnp.stack([jnp.asarray(X), 2 * jnp.asarray(X)])
     got = jax.vmap(lambda x: F.jacobian(one_to_one(jnp), x))(xs)
     for x, jac in zip(xs, got):
@@ -226,7 +229,7 @@ def test_hvp_through_a_custom_vjp(variant):
 
 # -- errors -----------------------------------------------------------------------------------
 
-def both_raise(jamp_call, torch_call, error, match):
+def both_raise(torch, jamp_call, torch_call, error, match):
     """torch raises `error` for the call, and so does jamp, with a message matching `match`."""
     with pytest.raises(error):
         torch_call(torch)
@@ -235,7 +238,7 @@ def both_raise(jamp_call, torch_call, error, match):
 
 
 def arrays(m, *values):
-    return tuple((torch.tensor if m is torch else jnp.asarray)(np.asarray(v, float))
+    return tuple((jnp.asarray if m is jnp else m.tensor)(np.asarray(v, float))
                  for v in values)
 
 
@@ -261,17 +264,17 @@ V_ERRORS = {  # name: (call(functional module, m), message)
 
 
 @pytest.mark.parametrize("name", V_ERRORS)
-def test_v_errors_as_torch(name):
+def test_v_errors_as_torch(torch, TF, name):
     call, match = V_ERRORS[name]
-    both_raise(lambda m: call(F, m), lambda m: call(TF, m), RuntimeError, match)
+    both_raise(torch, lambda m: call(F, m), lambda m: call(TF, m), RuntimeError, match)
 
 
 def _detached(m):
-    return (lambda x: x.detach() * 2) if m is torch else (lambda x: jax.lax.stop_gradient(x) * 2)
+    return (lambda x: jax.lax.stop_gradient(x) * 2) if m is jnp else (lambda x: x.detach() * 2)
 
 
 def _through_bool(m):
-    return lambda x: (x > 0).to(x.dtype) if m is torch else (x > 0).astype(x.dtype)
+    return (lambda x: (x > 0).astype(x.dtype)) if m is jnp else (lambda x: (x > 0).to(x.dtype))
 
 
 STRICT_ERRORS = {  # name: (call(functional module, m), message)
@@ -325,9 +328,9 @@ STRICT_ERRORS = {  # name: (call(functional module, m), message)
 
 
 @pytest.mark.parametrize("name", STRICT_ERRORS)
-def test_strict_errors_as_torch(name):
+def test_strict_errors_as_torch(torch, TF, name):
     call, match = STRICT_ERRORS[name]
-    both_raise(lambda m: call(F, m), lambda m: call(TF, m), RuntimeError, match)
+    both_raise(torch, lambda m: call(F, m), lambda m: call(TF, m), RuntimeError, match)
 
 
 def test_strict_raises_under_jit():
@@ -349,7 +352,7 @@ STRICT_PASSES = {  # what torch lets through in strict mode, and so does jamp
 
 
 @pytest.mark.parametrize("name", STRICT_PASSES)
-def test_strict_passes_as_torch(name, variant):
+def test_strict_passes_as_torch(torch, TF, name, variant):
     STRICT_PASSES[name](TF, torch)
     variant(lambda: STRICT_PASSES[name](F, jnp))()
 
@@ -398,9 +401,9 @@ OPTION_ERRORS = {  # name: (call(functional module, m), error, message)
 
 
 @pytest.mark.parametrize("name", OPTION_ERRORS)
-def test_option_errors_as_torch(name):
+def test_option_errors_as_torch(torch, TF, name):
     call, error, match = OPTION_ERRORS[name]
-    both_raise(lambda m: call(F, m), lambda m: call(TF, m), error, match)
+    both_raise(torch, lambda m: call(F, m), lambda m: call(TF, m), error, match)
 
 
 def test_a_bad_strategy_is_also_a_value_error():
@@ -419,7 +422,7 @@ def test_integer_inputs_are_refused():
         F.jacobian(lambda x: x * 2, jnp.arange(3))
 
 
-def test_jvp_through_a_function_with_only_a_backward():
+def test_jvp_through_a_function_with_only_a_backward(torch, TF):
     """torch's jvp (double backward) works on a Function without a forward rule: so does
     jamp's, through the vjp's transpose."""
     from jamp.autograd.function import Function
@@ -447,6 +450,6 @@ def test_jvp_through_a_function_with_only_a_backward():
             return grad * jnp.cos(x)
 
     v = np.array([1.0, -2.0])
-    call_both(lambda f, x: F.jvp(f, x, jnp.asarray(v)),
+    call_both(torch, lambda f, x: F.jvp(f, x, jnp.asarray(v)),
               lambda f, x: TF.jvp(f, x, torch.tensor(v)),
               (lambda m: TorchSin.apply if m is torch else Sin.apply, (X,)), jax.jit)

@@ -206,8 +206,7 @@ def test_dual_level_decorator_under_transforms(variant):
         jax.grad(lambda x: jax.jvp(lambda x: f_jnp(x, X), (x,), (T,))[1].sum())(X), rtol=1e-5)
 
 
-def test_dual_api_matches_torch_forward_ad(x64):
-    torch = pytest.importorskip("torch")
+def test_dual_api_matches_torch_forward_ad(torch, x64):
     tfw = torch.autograd.forward_ad
     x = np.array([0.3, -1.2, 2.0])
     t = np.array([1.0, -0.5, 0.25])

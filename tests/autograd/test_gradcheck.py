@@ -55,8 +55,7 @@ def test_fails_a_wrong_backward_naming_the_input(wrong, fast_mode):
         assert "Numerical:\n[[" in str(info.value) and "Analytical:\n[[" in str(info.value)
 
 
-def test_shows_the_jacobians_in_torchs_layout():
-    torch = pytest.importorskip("torch")
+def test_shows_the_jacobians_in_torchs_layout(torch):
 
     class WrongSinTimes(torch.autograd.Function):
         @staticmethod
@@ -86,8 +85,7 @@ def test_returns_false_without_raising():
     assert gradcheck(sin_times(), inputs(), raise_exception=False) is True
 
 
-def test_float32_inputs_get_torchs_warning():
-    torch = pytest.importorskip("torch")
+def test_float32_inputs_get_torchs_warning(torch):
     with pytest.warns(UserWarning, match="not a double precision"):
         torch.autograd.gradcheck(torch.sin, torch.ones(2, requires_grad=True),
                                  raise_exception=False)

@@ -47,7 +47,8 @@ def test_paired_ratios_divide_round_by_round():
 
 def test_scaler_overhead_prints_every_ratio():
     result = subprocess.run(
-        [sys.executable, "scaler_overhead.py", "--quick", "--width", "32"],
+        [sys.executable, "scaler_overhead.py", "--quick", "--width", "32", "--depth", "1",
+         "--seq", "16"],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M))

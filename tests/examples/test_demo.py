@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from helpers import needs_examples_extra
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
@@ -23,6 +25,7 @@ def test_corpus_is_real_text_and_batches_are_windows():
     assert len(valid) == len(corpus) - len(train)
 
 
+@needs_examples_extra("tqdm", "matplotlib")
 def test_demo_trains_every_level_and_reports(tmp_path):
     plot = tmp_path / "demo.png"
     # Three steps of each run is all the test needs, so its time is XLA's compiles: the
@@ -70,6 +73,7 @@ def test_demo_trains_every_level_and_reports(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 
+@needs_examples_extra("tqdm")
 def test_a_pure_float16_run_that_does_not_train_is_detected_and_reported():
     import demo
 

@@ -12,6 +12,8 @@ import sys
 import jax
 import numpy as np
 
+from helpers import needs_examples_extra
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
@@ -21,6 +23,7 @@ import gan  # noqa: E402
 import profile_step  # noqa: E402
 
 
+@needs_examples_extra("sklearn")  # the 8x8 digits
 def test_cnn_digits_trains_at_every_opt_level_with_its_dtypes(capsys):
     results = {r["level"]: r for r in cnn_digits.main(["--steps", "25"])}
     out = capsys.readouterr().out
@@ -43,6 +46,7 @@ def test_cnn_digits_trains_at_every_opt_level_with_its_dtypes(capsys):
     assert "Every level learned" in out and "At O2 the convs and matmuls ran in f16 x8" in out
 
 
+@needs_examples_extra("sklearn")  # cnn_digits' data and model
 def test_data_parallel_steps_equal_the_single_device_steps(capsys):
     result = data_parallel.main(["--steps", "4"])
     out = capsys.readouterr().out

@@ -2,6 +2,8 @@
 autocast where torch can be run here, and they can be extended and overridden."""
 
 import dataclasses
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +12,14 @@ import pytest
 from jax.extend.core import Primitive
 
 import jamp
+from jamp.policy import autocast_tables
 from jamp.policy.autocast_tables import (
-    ACCEPTED_DEVICE_TYPES, DEFAULT_TABLES, FP32, LOWER, OpTable, autocast_table,
+    ACCEPTED_DEVICE_TYPES, DEFAULT_TABLES, DEVICE_ALIASES, FP32, LOWER, OpTable, autocast_table,
     canonical_device_type)
 
 from helpers import BF16, F16, F32, jaxpr_equations
 
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 # Positive, so that log, rsqrt and x ** x are defined.
 X = jnp.linspace(0.1, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
 
@@ -84,6 +88,24 @@ def test_default_tables():
     assert autocast_table("cpu").rule("reduce_prod") == FP32
 
 
+TABLE_NAMES = ("ACCUMULATE_FP32", "DEFAULT_TABLES", "FP32", "LOWER", "OpTable", "autocast_table")
+
+
+@pytest.mark.parametrize("name", TABLE_NAMES)
+def test_op_tables_are_public_in_jamp_policy_only(name):
+    assert name in jamp.policy.__all__
+    assert getattr(jamp.policy, name) is getattr(autocast_tables, name)
+    assert name not in jamp.transforms.__all__
+    assert not hasattr(jamp.transforms, name)
+
+
+def test_a_table_from_jamp_policy_drives_autocast():
+    table = jamp.policy.autocast_table("cpu").updated({"dot_general": "float16"})
+    x = np.ones((2, 2), np.float32)
+    out = jamp.autocast(lambda a: a @ a, op_table=table, cast_outputs=False)(x)
+    assert out.dtype == np.float16
+
+
 def test_tables_are_read_only_and_updates_are_copies():
     table = autocast_table("cpu")
     with pytest.raises(TypeError):
@@ -109,6 +131,52 @@ def test_device_spellings(spelling, canonical):
     assert set(ACCEPTED_DEVICE_TYPES) >= {"cuda", "gpu", "cpu", "tpu"}
 
 
+def test_the_accepted_device_types_are_the_tables_and_their_aliases():
+    assert set(ACCEPTED_DEVICE_TYPES) == set(DEFAULT_TABLES) | set(DEVICE_ALIASES)
+    assert len(ACCEPTED_DEVICE_TYPES) == len(set(ACCEPTED_DEVICE_TYPES))
+    assert {"rocm", "gpu"} <= set(ACCEPTED_DEVICE_TYPES)
+
+
+@pytest.mark.parametrize("spelling", ACCEPTED_DEVICE_TYPES)
+def test_every_accepted_device_type_selects_a_table(spelling):
+    for written in (spelling, spelling.upper(), f" {spelling} "):
+        table = autocast_table(written)
+        assert table is DEFAULT_TABLES[canonical_device_type(written)]
+
+
+@pytest.mark.parametrize("alias", ["rocm", "ROCm", "gpu"])
+def test_gpu_aliases_select_the_cuda_table(alias):
+    assert canonical_device_type(alias) == "cuda"
+    region = jamp.autocast(device_type=alias)
+    assert region.device_type == "cuda"
+    assert region.table is DEFAULT_TABLES["cuda"]
+
+
+@pytest.mark.parametrize("bad", ["xpu", "Cuda:0", " metal ", ""])
+def test_an_unknown_device_type_is_named_as_written_beside_every_accepted_one(bad):
+    with pytest.raises(ValueError) as info:
+        canonical_device_type(bad)
+    message = str(info.value)
+    assert repr(bad) in message
+    for accepted in ACCEPTED_DEVICE_TYPES:
+        assert repr(accepted) in message
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        jamp.autocast(device_type=bad)
+
+
+@pytest.mark.parametrize("bad", [3, None, jax.devices()[0]])
+def test_a_device_type_that_is_not_a_string_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="device_type") as info:
+        canonical_device_type(bad)
+    assert "'rocm'" in str(info.value)
+
+
+def test_the_docs_name_every_accepted_device_type():
+    docs = (DOCS / "autocast.md").read_text()
+    for accepted in ACCEPTED_DEVICE_TYPES:
+        assert f'"{accepted}"' in docs
+
+
 # torch's CPU autocast, run here as an oracle (bfloat16).
 TORCH_CASES = {
     "mm": (lambda t, a: a @ a.T, lambda x: x @ x.T),
@@ -131,8 +199,7 @@ TORCH_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(TORCH_CASES))
-def test_cpu_table_matches_torch_cpu_autocast(case):
-    torch = pytest.importorskip("torch")
+def test_cpu_table_matches_torch_cpu_autocast(torch, case):
     torch_fn, jax_fn = TORCH_CASES[case]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = torch_fn(torch, torch.from_numpy(np.array(X)))
@@ -170,11 +237,12 @@ def test_primitive_names_lists_what_a_function_traces_to():
 
 
 def test_primitive_classes_name_only_primitives():
+    from jamp import _jax_internals
     from jamp.policy import primitives
 
     for group in (primitives.MOVES, primitives.ELEMENTWISE, primitives.SELECTIONS,
                   primitives.REDUCTIONS, primitives.COLLECTIVES, primitives.CUMULATIVE,
-                  primitives.CALLS):
+                  _jax_internals.CALLS):
         assert primitives.unknown_names(sorted(group)) == []
 
 

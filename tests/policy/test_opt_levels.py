@@ -4,6 +4,7 @@ import re
 import warnings
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jamp.policy import OPT_LEVELS, AmpConfigurationWarning, Properties, properties
@@ -164,6 +165,45 @@ def test_unknown_option():
     with pytest.raises(ValueError, match="fused_optimizer") as info:
         properties("O2", fused_optimizer=True)
     assert "keep_batchnorm_fp32" in str(info.value)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("enabled", "False"), ("enabled", 1), ("patch_torch_functions", "True"),
+    ("patch_torch_functions", 0), ("master_weights", "False"), ("master_weights", 1)])
+def test_properties_flags_refuse_non_bools(name, value):
+    with pytest.raises(TypeError, match=re.escape(f"{name}={value!r}")):
+        properties("O2", **{name: value})
+    props = properties("O2")
+    with pytest.raises(TypeError, match=name):
+        setattr(props, name, value)
+    assert getattr(props, name) == properties("O2").options[name]  # left as it was
+
+
+def test_properties_flags_take_numpy_bools_as_bools():
+    props = properties("O2", enabled=np.bool_(True), master_weights=np.bool_(False),
+                       keep_batchnorm_fp32=np.bool_(True))
+    assert props.enabled is True
+    assert props.master_weights is False
+    assert props.keep_batchnorm_fp32 is True
+
+
+def test_keep_batchnorm_fp32_keeps_apexs_strings():
+    assert properties("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
+    assert properties("O2", keep_batchnorm_fp32="True").keep_batchnorm_fp32 is True
+    with pytest.raises(ValueError, match="keep_batchnorm_fp32"):
+        properties("O2", keep_batchnorm_fp32="false")
+
+
+def test_master_weights_none_still_means_the_levels_default():
+    props = properties("O1")
+    props.master_weights = None
+    assert props.master_weights is None
+
+
+@pytest.mark.parametrize("strict", ["yes", 1, None])
+def test_strict_must_be_a_bool(strict):
+    with pytest.raises(TypeError, match=re.escape(f"strict={strict!r}")):
+        properties("O1", strict=strict)
 
 
 def test_properties_default_and_repr():

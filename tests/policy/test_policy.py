@@ -137,6 +137,13 @@ def test_half_dtype_on_this_backend():
     assert policy_lib.half_dtype() == jmp.half_dtype()
 
 
+def test_policy_keys_serve_both_the_parser_and_the_dtype_hint():
+    # dtypes.POLICY_KEYS: get_policy parses with the keys, parse_dtype hints with them.
+    assert get_policy("compute=bf16") == get_policy("c=bf16")
+    with pytest.raises(ValueError, match="Did you mean 'compute=float16'"):
+        policy_lib.parse_dtype("compute_float16")
+
+
 def test_import_swap_runs_jmp_code():
     """A snippet written against jmp runs unchanged with `import jamp.policy as jmp`."""
     def user_code(jmp_module):

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jamp
-from helpers import lowered_op_types
+from helpers import lowered_op_types, needs_examples_extra
 from jamp.profile.amp_report import AmpReport, amp_report
 
 B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
@@ -368,8 +368,8 @@ def test_the_table_lists_primitives_modules_and_converts():
     assert str(report) == report.table()
 
 
+@needs_examples_extra("matplotlib")
 def test_plot_draws_a_bar_per_module_and_dtype():
-    pytest.importorskip("matplotlib")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -440,8 +440,8 @@ def test_row_limit_zero_hides_rows_without_saying_none():
     assert primitives[1:] == ["... 1 more (row_limit)"]
 
 
+@needs_examples_extra("matplotlib")
 def test_plot_of_bytes_puts_the_most_bytes_on_top():
-    pytest.importorskip("matplotlib")
     import matplotlib
     matplotlib.use("Agg")
 

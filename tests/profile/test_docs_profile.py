@@ -7,6 +7,7 @@ import re
 import jax
 
 import doc_blocks
+from helpers import needs_examples_extra
 
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "profile.md"
 
@@ -27,6 +28,7 @@ def test_blocks_follow_the_convention():
     assert doc_blocks.convention_errors(DOC) == []
 
 
+@needs_examples_extra("matplotlib")  # the report's plot
 def test_blocks_run_and_do_what_the_text_says(capsys):
     def report(ns):
         report = ns["report"]

@@ -49,8 +49,13 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=[str(s) for s in SETTINGS])
-@pytest.mark.parametrize("has_aux", [False, True], ids=["value", "aux"])
+# Each setting drives the scale its own way; an aux output changes what is returned, not how
+# the scale moves, so one setting runs with it.
+CASES = [(settings, False) for settings in SETTINGS] + [(SETTINGS[0], True)]
+
+
+@pytest.mark.parametrize("settings,has_aux", CASES,
+                         ids=[f"{'aux' if a else 'value'}-{s}" for s, a in CASES])
 def test_trajectory_matches_flax_step_for_step(settings, has_aux, variant):
     ours = _run(jamp.DynamicScale, variant, settings, has_aux)
     theirs = _run(flax_ds.DynamicScale, variant, settings, has_aux)

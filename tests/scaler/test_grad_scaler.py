@@ -1,4 +1,7 @@
-"""torch's GradScaler, functional: parity with the real torch.amp.GradScaler (CPU build)."""
+"""torch's GradScaler, functional: parity with the real torch.amp.GradScaler (CPU build), its
+settings, and its states: values of arrays and hashable settings."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +10,6 @@ import optax
 import pytest
 
 import jamp.scaler as js
-
-torch = pytest.importorskip("torch")
 
 # Settings to replay in torch and jamp: torch's defaults with a short interval so growth
 # happens often, other float32-exact factors, and a scale so large that growth overflows
@@ -28,7 +29,7 @@ def fault_sequence(n, seed):
     return rng.choice(np.array([1.0, np.inf, np.nan], np.float32), size=n, p=[0.8, 0.12, 0.08])
 
 
-def torch_trajectory(settings, faults, x):
+def torch_trajectory(torch, settings, faults, x):
     """Scale, tracker and params after every step of torch's scaler + SGD."""
     scaler = torch.amp.GradScaler("cpu", **settings)
     p = torch.nn.Parameter(torch.ones(4))
@@ -67,9 +68,9 @@ X = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=IDS)
-def test_trajectory_matches_torch_under_scan(settings):
+def test_trajectory_matches_torch_under_scan(torch, settings):
     faults = fault_sequence(1500, seed=len(IDS[SETTINGS.index(settings)]))
-    want_scale, want_tracker, want_params = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, want_params = torch_trajectory(torch, settings, faults, X)
     scaler, sgd = js.GradScaler(**settings), optax.sgd(0.01)
     carry = (scaler.init(), jnp.ones(4), sgd.init(jnp.ones(4)))
     _, (scales, trackers, params) = jax.jit(
@@ -81,10 +82,10 @@ def test_trajectory_matches_torch_under_scan(settings):
     assert (np.diff(want_scale) > 0).any() and (np.diff(want_scale) < 0).any()
 
 
-def test_trajectory_matches_torch_eagerly():
+def test_trajectory_matches_torch_eagerly(torch):
     settings = SETTINGS[0]
     faults = fault_sequence(60, seed=1)
-    want_scale, want_tracker, want_params = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, want_params = torch_trajectory(torch, settings, faults, X)
     scaler, sgd = js.GradScaler(**settings), optax.sgd(0.01)
     carry = (scaler.init(), jnp.ones(4), sgd.init(jnp.ones(4)))
     step = jamp_step(scaler, sgd)
@@ -96,9 +97,9 @@ def test_trajectory_matches_torch_eagerly():
 
 
 @pytest.mark.parametrize("settings", SETTINGS[:2], ids=IDS[:2])
-def test_loss_scaled_with_grad_scaler_matches_torch(settings):
+def test_loss_scaled_with_grad_scaler_matches_torch(torch, settings):
     faults = fault_sequence(400, seed=7)
-    want_scale, want_tracker, want_params = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, want_params = torch_trajectory(torch, settings, faults, X)
     tx = js.loss_scaled(optax.sgd(0.01), js.GradScaler(**settings))
 
     def step(carry, f):
@@ -121,7 +122,7 @@ def test_loss_scaled_with_grad_scaler_matches_torch(settings):
 
 
 @pytest.mark.parametrize("scale", [65536.0, 3.0, 12345.678, 0.1, 2.0**-10, 7.0e30])
-def test_unscale_is_torchs_float32_reciprocal(scale, variant):
+def test_unscale_is_torchs_float32_reciprocal(torch, scale, variant):
     rng = np.random.default_rng(3)
     g = (rng.standard_normal(257) * 1000).astype(np.float32)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)
@@ -136,7 +137,7 @@ def test_unscale_is_torchs_float32_reciprocal(scale, variant):
     assert not bool(found_inf)
 
 
-def test_unscale_half_grads_like_torchs_kernel():
+def test_unscale_half_grads_like_torchs_kernel(torch):
     rng = np.random.default_rng(4)
     g16 = (rng.standard_normal(300) * 100).astype(np.float16)
     scale = 3.0
@@ -162,7 +163,7 @@ def test_unscale_finds_inf_in_any_leaf(bad, variant):
     assert found_inf.dtype == jnp.bool_ and bool(found_inf)
 
 
-def test_scale_dtypes_follow_torch():
+def test_scale_dtypes_follow_torch(torch):
     scaler = js.GradScaler(init_scale=1024.0)
     state = scaler.init()
     loss16 = jnp.float16(2.0)  # a 0-d loss promotes with the float32 scale (as in torch)
@@ -200,7 +201,7 @@ def test_update_accepts_torch_style_float_found_inf():
     assert int(state.growth_tracker) == 1
 
 
-def test_state_dict_has_torchs_five_keys_and_types():
+def test_state_dict_has_torchs_five_keys_and_types(torch):
     ours = js.GradScaler(growth_interval=7)
     theirs = torch.amp.GradScaler("cpu", growth_interval=7)
     sd = ours.state_dict(ours.update(ours.init(), jnp.array(False)))
@@ -210,7 +211,7 @@ def test_state_dict_has_torchs_five_keys_and_types():
                   "growth_interval": 7, "_growth_tracker": 1}
 
 
-def test_torch_state_dict_loads_and_trajectories_continue_together():
+def test_torch_state_dict_loads_and_trajectories_continue_together(torch):
     settings = SETTINGS[0]
     faults = fault_sequence(40, seed=11)
     theirs = torch.amp.GradScaler("cpu", **settings)
@@ -235,7 +236,7 @@ def test_torch_state_dict_loads_and_trajectories_continue_together():
         assert ours.state_dict(state) == theirs.state_dict()
 
 
-def test_jamp_state_dict_loads_into_torch():
+def test_jamp_state_dict_loads_into_torch(torch):
     ours = js.GradScaler(init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25,
                          growth_interval=5)
     state = ours.init()
@@ -247,7 +248,7 @@ def test_jamp_state_dict_loads_into_torch():
     assert theirs.get_scale() == 256.0 and theirs.get_growth_factor() == 4.0
 
 
-def test_disabled_is_a_no_op_like_torch(variant):
+def test_disabled_is_a_no_op_like_torch(torch, variant):
     ours = js.GradScaler(enabled=False)
     theirs = torch.amp.GradScaler("cpu", enabled=False)
     state = ours.init()
@@ -264,7 +265,7 @@ def test_disabled_is_a_no_op_like_torch(variant):
     assert ours.get_scale(ours.load_state_dict({})) == 1.0  # no-op, as torch's
 
 
-def test_load_empty_state_dict_raises_torchs_runtime_error():
+def test_load_empty_state_dict_raises_torchs_runtime_error(torch):
     theirs = torch.amp.GradScaler("cpu")
     with pytest.raises(RuntimeError) as torch_error:
         theirs.load_state_dict({})
@@ -313,6 +314,86 @@ def test_accessors_and_setters():
         scaler.set_growth_interval(2.5)
 
 
+def test_equal_settings_give_one_tree_structure_and_one_compile():
+    first, second = js.GradScaler().init(), js.GradScaler().init()
+    assert jax.tree.structure(first) == jax.tree.structure(second)
+    total = jax.tree.map(jnp.add, first, second)
+    assert float(total.loss_scale) == 2.0**17 and total.growth_interval == 2000
+    traces = []
+
+    @jax.jit
+    def step(state):
+        traces.append(state)  # runs once per trace
+        return state.adjust(jnp.array(False))
+
+    for state in (first, second, step(first)):
+        step(state)
+    assert len(traces) == 1
+    # Other settings are another structure: the step traces again and runs them.
+    other = js.GradScaler(backoff_factor=0.25).init()
+    assert jax.tree.structure(other) != jax.tree.structure(first)
+    assert float(step(other).loss_scale) == 2.0**14 and len(traces) == 2
+
+
+def test_loss_scaled_states_of_equal_settings_share_a_compile():
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+    txs = [js.loss_scaled(optax.sgd(0.1), js.GradScaler()) for _ in range(2)]
+    states = [tx.init(params) for tx in txs]
+    assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])
+    traces = []
+
+    @jax.jit
+    def update(opt_state):
+        traces.append(opt_state)
+        return txs[0].update(grads, opt_state, params)
+
+    for state in states:
+        update(state)
+    assert len(traces) == 1
+
+
+def test_setters_take_effect_at_the_next_update_whose_state_carries_them(variant):
+    scaler = js.GradScaler(init_scale=2.0**16, growth_interval=1)
+    state = scaler.init()
+    scaler.set_growth_factor(4.0)
+    new = variant(scaler.update)(state, jnp.array(False))
+    assert scaler.get_scale(new) == 2.0**18 and new.growth_factor == 4.0
+    assert float(new.adjust(True).loss_scale) == 2.0**20
+    assert scaler.state_dict(new)["growth_factor"] == 4.0
+    # A state is a value: the one made before the change keeps its settings.
+    assert state.growth_factor == 2.0 and float(state.adjust(True).loss_scale) == 2.0**17
+
+
+def test_loss_scaled_runs_the_settings_its_state_carries():
+    scaler = js.GradScaler(init_scale=2.0**16, growth_interval=1)
+    tx = js.loss_scaled(optax.sgd(0.1), scaler)  # takes the scaler's settings, as optax
+    scaler.set_growth_factor(8.0)                  # takes a learning rate
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+    update = jax.jit(tx.update)
+    _, opt_state = update(grads, tx.init(params), params)
+    assert float(js.get_loss_scale(opt_state).loss_scale) == 2.0**17
+    changed = dataclasses.replace(js.get_loss_scale(opt_state), growth_factor=4.0)
+    _, opt_state = update(grads, opt_state._replace(loss_scale=changed), params)
+    assert float(js.get_loss_scale(opt_state).loss_scale) == 2.0**19
+
+
+def test_load_state_dict_returns_a_state_of_the_loaded_settings():
+    scaler = js.GradScaler(growth_interval=3)
+    before = scaler.init()
+    state = scaler.load_state_dict({"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.5,
+                                    "growth_interval": 1, "_growth_tracker": 0})
+    assert (state.growth_factor, state.growth_interval) == (3.0, 1)
+    assert float(state.adjust(True).loss_scale) == 8.0 * 3.0
+    assert (before.growth_factor, before.growth_interval) == (2.0, 3)
+
+
+def test_a_state_made_by_hand_checks_its_settings():
+    with pytest.raises(ValueError, match="growth_factor.*> 1.*0.5"):
+        js.GradScalerState(jnp.float32(1.0), jnp.int32(0), growth_factor=0.5)
+    with pytest.raises(TypeError, match="enabled"):
+        js.GradScalerState(jnp.float32(1.0), jnp.int32(0), enabled="yes")
+
+
 BAD = [
     (dict(init_scale=0.0), r"init_scale.*> 0.*0.0"),
     (dict(init_scale=-4.0), r"init_scale.*> 0.*-4.0"),
@@ -349,14 +430,14 @@ def test_huge_scale_does_not_flush_grads_to_zero(scale, variant):
     assert not bool(found_inf)
 
 
-def test_non_float32_factors_match_torch_with_x64():
+def test_non_float32_factors_match_torch_with_x64(torch):
     # torch applies the factor in double; with x64 on jamp does too, so 2.7 and 0.3 agree.
     enable_x64 = getattr(jax, "enable_x64", None)
     if enable_x64 is None:
         pytest.skip("this jax has no jax.enable_x64 context")
     settings = dict(init_scale=1000.0, growth_factor=2.7, backoff_factor=0.3, growth_interval=2)
     faults = fault_sequence(200, seed=5)
-    want_scale, want_tracker, _ = torch_trajectory(settings, faults, X)
+    want_scale, want_tracker, _ = torch_trajectory(torch, settings, faults, X)
     ours = js.GradScaler(**settings)
     with enable_x64(True):
         state = ours.init()

@@ -118,6 +118,15 @@ def test_noop_loss_scale():
     assert ls.adjust(jnp.array(False)) is ls
 
 
+def test_jmp_accepts_zero_scales_and_so_does_jamp():
+    zero = js.StaticLossScale(0.0)
+    assert float(zero.scale(jnp.float32(3.0))) == 0.0
+    dyn = js.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(0.0), factor=2)
+    for _ in range(4):
+        dyn = dyn.adjust(False)
+    assert float(dyn.loss_scale) == 0.25
+
+
 @pytest.mark.parametrize("tree,expected", [
     ({"a": jnp.ones(3), "b": jnp.zeros(2)}, True),
     ({"a": jnp.array([1.0, jnp.inf]), "b": jnp.zeros(2)}, False),
@@ -199,6 +208,15 @@ def test_all_finite_of_huge_finite_values_is_true():
 def test_all_finite_matches_jmp_on_float_trees():
     for tree in ({"a": jnp.ones(3)}, {"a": jnp.array([jnp.nan])}, [jnp.ones(2), jnp.inf]):
         assert bool(js.all_finite(tree)) == bool(jmp.all_finite(tree))
+
+
+@pytest.mark.parametrize("value", [complex(np.inf, 0), complex(0, np.nan), complex(np.nan, 1)])
+def test_all_finite_reads_both_parts_of_complex_leaves(value):
+    assert not bool(js.all_finite({"z": jnp.array([1j, value], jnp.complex64)}))
+    assert bool(js.all_finite({"z": jnp.array([1j, 2 + 0j], jnp.complex64)}))
+    scaler = js.GradScaler()
+    _, found_inf = scaler.unscale(scaler.init(), {"z": jnp.array([value], jnp.complex64)})
+    assert bool(found_inf)
 
 
 def test_select_tree(variant):

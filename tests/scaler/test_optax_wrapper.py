@@ -32,11 +32,11 @@ def make_problem(seed=0):
 FAULTS = np.array([np.inf, 1, 1, 1, 1, np.nan, np.inf, 1, 1, 1, np.inf, 1], np.float32)
 
 
+# The default (None, "dynamic") is a GradScaler's state, as test_loss_scale_spellings checks.
 LOSS_SCALES = [
     ("grad_scaler", lambda: js.GradScaler(growth_interval=3)),
     ("dynamic", lambda: js.DynamicLossScale(jnp.float32(2.0**15), period=3)),
     ("static", lambda: 1024.0),
-    ("default", lambda: None),
 ]
 
 
@@ -254,6 +254,49 @@ def test_mixed_half_and_float_grads(variant):
     assert_trees_equal(new_params, params)
 
 
+def _complex_loss(p):
+    return jnp.sum(jnp.real(jnp.conj(p["z"]) * p["z"])) + jnp.sum(p["x"] ** 2)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", js.DynamicLossScale(jnp.float32(2**15))],
+                         ids=["grad_scaler", "dynamic_loss_scale"])
+def test_complex_grads_are_unscaled_and_checked(loss_scale, variant):
+    params = {"z": jnp.array([1 + 2j, -3j], jnp.complex64), "x": jnp.ones(2)}
+    tx = js.loss_scaled(optax.sgd(0.5), loss_scale)
+    opt_state = tx.init(params)
+    scaled = jax.grad(lambda p: js.get_loss_scale(opt_state).scale(_complex_loss(p)))(params)
+    updates, new_state = variant(tx.update)(scaled, opt_state, params)
+    sgd = optax.sgd(0.5)
+    plain, _ = sgd.update(jax.grad(_complex_loss)(params), sgd.init(params))
+    np.testing.assert_allclose(updates["z"], plain["z"], rtol=1e-6)
+    assert updates["z"].dtype == jnp.complex64
+    # inf in the real part alone (0 imaginary) is not finite.
+    bad = {"z": jnp.array([jnp.inf + 0j, 0j], jnp.complex64), "x": jnp.ones(2)}
+    updates, skipped = variant(tx.update)(bad, new_state, params)
+    assert not bool(skipped.last_finite)
+    np.testing.assert_array_equal(updates["z"], np.zeros(2, np.complex64))
+
+
+@pytest.mark.parametrize("skip", ["select", "cond"])
+def test_int_leaf_in_params_passes_through(skip, variant):
+    params = {"w": jnp.array([1.0, -2.0]), "step": jnp.array(3, jnp.int32)}
+    grads = {"w": jnp.array([0.5, 0.25]), "step": jnp.array(0, jnp.int32)}
+    inner = optax.adamw(1e-1)
+    tx = js.loss_scaled(inner, js.StaticLossScale(jnp.float32(1.0)), skip=skip)
+    opt_state = tx.init(params)
+    updates, opt_state = variant(tx.update)(grads, opt_state, params)
+    expected, expected_inner = inner.update(grads, inner.init(params), params)
+    np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
+    jax.tree_util.tree_map(np.testing.assert_allclose, opt_state.inner_state, expected_inner)
+    # A skipped step keeps the inner state's values, in the types the inner update gives.
+    bad = {"w": jnp.array([jnp.nan, 0.0]), "step": jnp.array(0, jnp.int32)}
+    updates, skipped = variant(tx.update)(bad, opt_state, params)
+    assert not bool(skipped.last_finite)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, skipped.inner_state,
+                           opt_state.inner_state)
+    np.testing.assert_array_equal(updates["w"], np.zeros(2))
+
+
 def test_loss_scale_spellings():
     def first(ls):
         return js.get_loss_scale(js.loss_scaled(optax.sgd(1.0), ls).init({"w": jnp.ones(1)}))
@@ -466,3 +509,12 @@ def test_one_bad_element_in_a_large_leaf_skips_the_step(bad):
     assert_trees_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, params))
     assert_trees_equal(new_state.inner_state, state.inner_state)
     assert float(js.get_loss_scale(new_state).loss_scale) == 2.0**15
+
+
+def test_counters_saturate_instead_of_wrapping():
+    tx = js.loss_scaled(optax.sgd(1.0), 1.0)
+    params = {"w": jnp.ones(2)}
+    top = jnp.iinfo(jnp.int32).max
+    opt_state = tx.init(params)._replace(total_steps=jnp.int32(top), skipped_steps=jnp.int32(top))
+    _, opt_state = tx.update({"w": jnp.full(2, jnp.nan)}, opt_state, params)
+    assert int(opt_state.total_steps) == top and int(opt_state.skipped_steps) == top

@@ -1,17 +1,11 @@
-"""autocast's flags are bools, and the interpreter's leaner internals keep their behaviour."""
+"""autocast's flags are bools: anything else is a TypeError naming it, numpy bools act as
+bools, and None means torch's default."""
 
-import inspect
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jamp
-from jamp.policy import autocast_table
-from jamp import _jax_internals as jx
-from jamp.transforms import autocast_rules as rules
-from jamp.transforms import interpreter
 
 from helpers import BF16, F32, W, X
 
@@ -66,42 +60,3 @@ def test_a_string_false_no_longer_turns_autocast_on():
     # Before, cast_outputs="no" counted as True and returned float32 outputs without a word.
     with pytest.raises(TypeError):
         jamp.autocast(matmul, device_type="cpu", cast_outputs="no")(X, W)
-
-
-# -- the interpreter without its stand-ins -------------------------------------------------------
-
-def test_stand_ins_for_old_jax_are_gone():
-    assert not hasattr(interpreter, "dtype_of")
-    assert not hasattr(jx, "typeof")
-    source = inspect.getsource(jx)
-    assert "get_aval" not in source  # jax.core.get_aval was removed in jax 0.10.0
-    assert "isinstance(bind_params, tuple)" not in source
-    # `bind` now passes get_bind_params' dict straight on: test_compositions'
-    # test_custom_vjp_bwd_still_used re-binds a custom_vjp (its fwd and bwd are subfuns there).
-
-
-def _region():
-    return rules.Region(enabled=True, dtype=BF16, table=autocast_table("cpu"))
-
-
-def test_the_interpreter_reads_dtypes_of_tracers_arrays_and_literals(variant):
-    # A weak Python scalar becomes a literal of the jaxpr; x and w are arrays or tracers.
-    closed = jax.make_jaxpr(lambda x, w: (x @ w) * 2.0 + 1)(X, W)
-
-    def run(x, w):
-        return interpreter.eval_jaxpr(closed, [x, w], _region(), interpreter.Context())
-
-    (out,) = variant(run)(X, W)
-    assert out.dtype == BF16
-    np.testing.assert_allclose(np.asarray(out, np.float32), (X @ W) * 2.0 + 1, rtol=2e-2,
-                               atol=2e-2)
-
-
-@pytest.mark.parametrize("args", [[X], [X, W, W]], ids=["too few", "too many"])
-def test_the_interpreter_refuses_a_wrong_number_of_arguments(args):
-    # The environment is filled with zip(..., strict=True): an extra argument is no longer
-    # dropped without a word, nor a missing one found only when it is read.
-    closed = jax.make_jaxpr(matmul)(X, W)
-    with pytest.raises(ValueError, match="zip"):
-        interpreter.eval_jaxpr(closed, args, _region(), interpreter.Context())
-

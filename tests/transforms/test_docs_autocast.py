@@ -13,7 +13,7 @@ import numpy as np
 
 import doc_blocks
 
-DOC = pathlib.Path(__file__).parents[1] / "docs" / "autocast.md"
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
 LOW = (jnp.float16, jnp.bfloat16)
 
 
@@ -27,14 +27,34 @@ def _intro(ns):
     assert {g.dtype for g in jax.tree_util.tree_leaves(ns["grads"])} == {jnp.dtype(jnp.float32)}
 
 
+def _torch_forms(ns):
+    # The outputs come back in the traced dtypes, the region's float16 matmul included.
+    assert ns["forward"](ns["x"], jnp.eye(4)).dtype == jnp.float32
+    assert ns["loss"](ns["params"], ns["batch"]).dtype == jnp.float32
+
+
 def _masked(ns):
     np.testing.assert_allclose(ns["out"], [[1.0, 0.0], [0.5, 0.5]], atol=1e-6)
+
+
+def _table(ns):
+    table = ns["table"]
+    assert table.rule("logistic") == "fp32" and table.rule("cumsum") is None
+    assert table.rule("dot_general") == "bfloat16"
+    assert ns["loss"](ns["params"], ns["batch"]).dtype == jnp.float32
 
 
 def _primitive_names(ns):
     block = next(b.code for b in doc_blocks.blocks(DOC) if "primitive_names(jax.nn" in b.code)
     call, shown = block.split("\n# ", 1)
     assert eval(call, ns) == eval(shown)
+
+
+def _regions(ns):
+    f, x, w = ns["f"], ns["x"], ns["w"]
+    assert ns["jamp"].autocast(f, device_type="cpu")(x, w).dtype == jnp.float32
+    raw = ns["jamp"].autocast(f, device_type="cpu", cast_outputs=False)
+    assert raw(x, w).dtype == jnp.bfloat16  # `a @ c`, back in the region's dtype
 
 
 def _outputs(ns):
@@ -44,27 +64,40 @@ def _outputs(ns):
 def _linen(ns):
     assert ns["logits"].dtype == jnp.float32
     stats = ns["updates"]["batch_stats"]["BatchNorm_0"]
-    assert not np.allclose(stats["mean"], 0.0) and stats["mean"].dtype == jnp.float32
+    assert not np.allclose(stats["mean"], 0.0)
+    assert {u.dtype for u in jax.tree.leaves(ns["updates"])} == {jnp.dtype(jnp.float32)}
 
 
 def _nnx(ns):
     model = ns["model"]
     assert not np.allclose(model.bn.mean[...], 0.0)  # the batch statistics moved
     assert int(model.dropout.rngs.count[...]) == 2  # two calls, two masks drawn
-    assert ns["y"].shape == (4, 8)
+    assert ns["y"].shape == (4, 8) and ns["y"].dtype == jnp.float32
+
+
+def _nnx_functional(ns):
+    assert ns["y"].dtype == jnp.float32
+    assert not np.allclose(ns["new_state"]["bn"]["mean"][...], 0.0)
 
 
 def _custom(ns):
     assert ns["grads"].dtype == jnp.float32 and np.all(np.isfinite(ns["grads"]))
+    # The fwd and bwd given to defvjp are jamp's wrappers around the ones written.
+    fused = ns["fused"]
+    assert fused.fwd.__wrapped__ is ns["fused_fwd"] and fused.bwd.__wrapped__ is ns["fused_bwd"]
 
 
 CHECKS = {
     "jax.jit(jax.value_and_grad(loss))": _intro,
+    '@jamp.autocast("cpu")': _torch_forms,
     "def masked_softmax": _masked,
+    '.without("cumsum")': _table,
     "primitive_names(jax.nn.softmax": _primitive_names,
+    "(regions nest)": _regions,
     "cast_outputs=False": _outputs,
     'mutable=["batch_stats"]': _linen,
     "nnx.value_and_grad(jamp.autocast(loss_fn))": _nnx,
+    "nnx.split(model)": _nnx_functional,
     "jamp.custom_bwd(fused_bwd)": _custom,
 }
 
