@@ -32,8 +32,8 @@ class with a static `jvp(ctx, *tangents)` takes a `jax.custom_jvp` path instead:
   transform applied from outside a staged region (`jax.jvp(jax.jit(f))`, a `lax.scan` body)
   finds the custom_vjp path and JAX refuses it ("can't apply forward-mode autodiff (jvp) to a
   custom_vjp function"). Differentiate inside the staged region there, or define `jvp` only.
-- A class with `backward` only refuses forward mode when `apply` can see it, with an error that
-  says to define `jvp` (torch's rule); otherwise JAX's own error above.
+- A class with `backward` only refuses forward mode when `apply` can see it, with torch's
+  `NotImplementedError`, saying to define `jvp`; otherwise JAX's own error above.
 
 forward, backward and jvp run as traced code: Python side effects in them happen when JAX
 traces them, not on every step of a jitted program.
@@ -584,7 +584,8 @@ class Function:
         if _overrides(cls, "jvp") and (backward is None or forward_mode):
             fn, box = _jvp_call(call)
         elif forward_mode:
-            raise RuntimeError(
+            # torch's type: a missing jvp is a NotImplementedError, which callers catch.
+            raise NotImplementedError(
                 f"{cls.__name__} defines no jvp: forward-mode differentiation (jax.jvp, "
                 "jax.jacfwd) of a Function needs a static jvp(ctx, *tangents), as in torch.")
         else:

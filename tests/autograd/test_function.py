@@ -729,8 +729,12 @@ def test_missing_methods_are_errors():
     np.testing.assert_allclose(NoBackward.apply(A), 2 * A)
     with pytest.raises(NotImplementedError, match="NoBackward defines no backward"):
         jax.grad(lambda x: NoBackward.apply(x).sum())(A)
-    with pytest.raises(RuntimeError, match="NoBackward defines no jvp"):
+    # torch's type: forward mode of a Function without jvp is a NotImplementedError.
+    with pytest.raises(NotImplementedError,
+                       match=r"NoBackward defines no jvp: .*needs a static jvp\(ctx, \*tangents\)"):
         jax.jvp(NoBackward.apply, (A,), (A,))
+    with pytest.raises(NotImplementedError, match="NoBackward defines no jvp"):
+        jax.jacfwd(lambda x: NoBackward.apply(x).sum())(A)
 
     class Both(Function):
         @staticmethod
