@@ -327,3 +327,17 @@ def test_a_loss_scaled_for_several_optimizers_is_refused():
     with pytest.raises(ValueError, match="scaled once per optimizer.*multi_transform"):
         jamp.scale_loss(jnp.float32(1.0), states)
     assert float(jamp.scale_loss(jnp.float32(1.0), states[:1])) == 2.0**16
+
+
+
+@pytest.mark.parametrize("name,use", [
+    ("scale_loss", lambda state: jamp.scale_loss(jnp.float32(1.0), state)),
+    ("state_dict", jamp.state_dict),
+    ("load_state_dict", lambda state: jamp.load_state_dict(
+        state, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})),
+])
+def test_a_plain_optax_state_is_refused_by_name_with_the_way_to_a_loss_scaled_one(name, use):
+    plain = optax.adam(1e-3).init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=f"^{name} got an optimizer state holding no loss "
+                                         r"scale.*jamp\.initialize.*jamp\.loss_scaled"):
+        use(plain)
