@@ -17,6 +17,7 @@ import numpy as np
 
 from jamp.frontend.master_weights import plain_state
 from jamp.scaler import (
+    CountingStaticLossScale,
     DynamicLossScale,
     GradScalerState,
     LossScaledState,
@@ -84,7 +85,9 @@ def _scales(state: LossScaledState) -> tuple:
 
 
 def _counter(ls: Any) -> int:
-    if isinstance(ls, DynamicLossScale):
+    """Apex's `unskipped`: the finite steps since the scale last changed (a static scale
+    never changes; jmp's `StaticLossScale` and `NoOpLossScale` keep no count)."""
+    if isinstance(ls, (DynamicLossScale, CountingStaticLossScale)):
         return int(np.asarray(ls.counter))
     if isinstance(ls, GradScalerState):
         return int(np.asarray(ls.growth_tracker))
@@ -108,6 +111,9 @@ def _loaded(ls: Any, entry: dict) -> Any:
     if isinstance(ls, GradScalerState):
         return dataclasses.replace(ls, loss_scale=jnp.asarray(scale, jnp.float32),
                                    growth_tracker=jnp.asarray(unskipped, jnp.int32))
+    if isinstance(ls, CountingStaticLossScale):
+        return CountingStaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype),
+                                       counter=jnp.asarray(unskipped, jnp.int32))
     if isinstance(ls, StaticLossScale):
         return StaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype))
     if isinstance(ls, NoOpLossScale):

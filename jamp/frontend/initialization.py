@@ -36,7 +36,7 @@ from jamp.frontend.master_weights import to_float32
 from jamp.policy import properties
 from jamp.policy.dtypes import canonical_floating_dtype
 from jamp.policy.opt_levels import OPT_LEVELS
-from jamp.scaler import DynamicLossScale, StaticLossScale, loss_scaled
+from jamp.scaler import CountingStaticLossScale, DynamicLossScale, loss_scaled
 from jamp.scaler.loss_scale import is_inexact
 from jamp.transforms import autocast
 
@@ -360,13 +360,14 @@ def cast_outputs(out: Any, dtype) -> Any:
 
 def apex_loss_scale(setting: Any, min_loss_scale: float | None, max_loss_scale: float):
     """The loss scale Apex's `loss_scale` option asks for: dynamic (Apex's scaler: 2**16,
-    window 2000, factor 2, with the floor and ceiling) or a static number."""
+    window 2000, factor 2, with the floor and ceiling) or a static number (counting its
+    unskipped steps, as Apex's static scaler does)."""
     if setting == "dynamic":
         floor = 0.0 if min_loss_scale is None else min_loss_scale
         return DynamicLossScale(jnp.float32(_APEX_INIT_SCALE), period=_APEX_SCALE_WINDOW,
                                 factor=2, min_loss_scale=jnp.float32(floor),
                                 max_loss_scale=max_loss_scale)
-    return StaticLossScale(jnp.float32(setting))
+    return CountingStaticLossScale(jnp.float32(setting))
 
 
 def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed,

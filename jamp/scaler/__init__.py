@@ -9,6 +9,7 @@ from jamp.scaler import serialization as _serialization  # registers the flax st
 from jamp.scaler.dynamic_scale import DynamicScale, DynamicScaleResult
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
+    CountingStaticLossScale,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
@@ -27,7 +28,7 @@ from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
 del _serialization
 
 __all__ = [
-    "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",
+    "CountingStaticLossScale", "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",
     "LossScale", "LossScaledState", "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad",
     "StateDictKeyError", "StaticLossScale", "all_finite", "find_loss_scaled_states",
     "get_loss_scale", "loss_scaled",

@@ -29,6 +29,7 @@ from jax import lax
 from jamp._checks import check_bool, check_count, parse_loss_scale
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
+    CountingStaticLossScale,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
@@ -63,8 +64,8 @@ def as_loss_scale(loss_scale: Any) -> Any:
     """Turns what `loss_scaled` accepts into a loss scale object.
 
     None or "dynamic" -> torch's defaults (`GradScaler().init()`); a `GradScaler` -> its
-    `init()`; a number or numeric string -> `StaticLossScale` (Apex's `loss_scale=128.0`);
-    a loss scale object -> itself.
+    `init()`; a number or numeric string -> a static scale that counts its finite steps
+    (`CountingStaticLossScale`: Apex's `loss_scale=128.0`); a loss scale object -> itself.
     """
     if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "dynamic"):
         return GradScaler().init()
@@ -80,7 +81,7 @@ def as_loss_scale(loss_scale: Any) -> Any:
     value = parse_loss_scale(loss_scale)
     if value == "dynamic":
         return GradScaler().init()
-    return StaticLossScale(jnp.float32(value))
+    return CountingStaticLossScale(jnp.float32(value))
 
 
 def loss_scaled(

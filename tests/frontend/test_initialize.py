@@ -341,3 +341,33 @@ def test_a_plain_optax_state_is_refused_by_name_with_the_way_to_a_loss_scaled_on
     with pytest.raises(ValueError, match=f"^{name} got an optimizer state holding no loss "
                                          r"scale.*jamp\.initialize.*jamp\.loss_scaled"):
         use(plain)
+
+
+@pytest.mark.parametrize("level,overrides", [("O0", {}), ("O3", {}),
+                                             ("O2", {"loss_scale": 128.0})])
+def test_a_static_scale_counts_unskipped_steps_and_skips_a_non_finite_one(
+        level, overrides, variant):
+    # Apex counts every unskipped step at a static scale; jamp also skips a step whose grads
+    # hold inf or nan there (where Apex would apply it): the step is not counted.
+    model = nn.Dense(2)
+    _, variables, tx = jamp.initialize(model.apply, model.init(jax.random.key(0), jnp.ones((1, 3))),
+                                       optax.sgd(0.5), opt_level=level, verbosity=0, **overrides)
+    params = variables["params"]
+    opt_state = tx.init(params)
+    scale = float(jamp.get_loss_scale(opt_state).loss_scale)
+    update = variant(tx.update)
+    grads = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, scale, p.dtype), params)
+    bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), grads)
+    history = []
+    for g in (grads, grads, grads, bad, grads):
+        updates, opt_state = update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        history.append((jamp.state_dict(opt_state)["loss_scaler0"], params["bias"]))
+    assert [entry for entry, _ in history] == [
+        {"loss_scale": scale, "unskipped": n} for n in (1, 2, 3, 3, 4)]
+    np.testing.assert_array_equal(history[3][1], history[2][1])  # the nan step left params
+    assert np.all(np.isfinite(np.asarray(params["bias"], np.float32)))
+    assert int(opt_state.skipped_steps) == 1 and int(opt_state.total_steps) == 5
+    loaded = jamp.load_state_dict(opt_state, {"loss_scaler0": {"loss_scale": scale,
+                                                               "unskipped": 7}})
+    assert jamp.state_dict(loaded) == {"loss_scaler0": {"loss_scale": scale, "unskipped": 7}}
