@@ -19,6 +19,7 @@ from jamp.scaler.loss_scale import (
 )
 from jamp.scaler.optax_wrapper import (
     LossScaledState,
+    LossScaledTransformation,
     find_loss_scaled_states,
     get_loss_scale,
     loss_scaled,
@@ -28,9 +29,9 @@ from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
 del _serialization
 
 __all__ = [
-    "CountingStaticLossScale", "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",
-    "LossScale", "LossScaledState", "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad",
-    "StateDictKeyError", "StaticLossScale", "all_finite", "find_loss_scaled_states",
-    "get_loss_scale", "loss_scaled",
+    "CountingStaticLossScale", "DynamicLossScale", "DynamicScale", "DynamicScaleResult",
+    "GradScaler", "GradScalerState", "LossScale", "LossScaledState", "LossScaledTransformation",
+    "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad", "StateDictKeyError",
+    "StaticLossScale", "all_finite", "find_loss_scaled_states", "get_loss_scale", "loss_scaled",
     "scaled_value_and_grad", "select_tree",
 ]

@@ -271,7 +271,7 @@ def test_prints_apexs_selected_level_block(capsys):
                              verbosity=0),
      ValueError, "loss_scale=-1.0"),
     (lambda: jamp.initialize(MODEL.apply, VARIABLES, "not an optimizer", verbosity=0),
-     TypeError, "optax GradientTransformations"),
+     TypeError, "txs must be an optax GradientTransformation or optax.MultiSteps"),
 ])
 def test_bad_input_names_the_value(make, error, message):
     with pytest.raises(error, match=message):
@@ -371,3 +371,69 @@ def test_a_static_scale_counts_unskipped_steps_and_skips_a_non_finite_one(
     loaded = jamp.load_state_dict(opt_state, {"loss_scaler0": {"loss_scale": scale,
                                                                "unskipped": 7}})
     assert jamp.state_dict(loaded) == {"loss_scaler0": {"loss_scale": scale, "unskipped": 7}}
+
+
+# -- a second pass through initialize ------------------------------------------------------------
+
+_SMALL = nn.Dense(2)
+_SMALL_VARIABLES = _SMALL.init(jax.random.key(0), jnp.ones((1, 3)))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_second_pass_of_the_returned_optimizer_or_apply_function_is_refused(level):
+    # Apex: "A given optimizer should only be passed through amp.initialize once."
+    apply_fn, variables, tx = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, optax.sgd(0.1),
+                                              opt_level=level, verbosity=0)
+    for given in (variables, _SMALL_VARIABLES):
+        with pytest.raises(RuntimeError, match=r"^txs was set up by jamp\.initialize already.*"
+                                               r"once.*your own optax optimizer"):
+            jamp.initialize(_SMALL.apply, given, tx, opt_level=level, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"^apply_fns was returned by jamp\.initialize "
+                                           rf"\(opt level {level}\).*model\.apply"):
+        jamp.initialize(apply_fn, _SMALL_VARIABLES, optax.sgd(0.1), opt_level=level,
+                        verbosity=0)
+    with pytest.raises(RuntimeError, match=r"txs\[1\] was set up by jamp\.initialize"):
+        jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, [optax.sgd(0.1), tx], verbosity=0)
+
+
+def test_returned_half_variables_are_refused_and_float32_ones_are_harmless():
+    _, half, _ = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, optax.sgd(0.1),
+                                 opt_level="O2", verbosity=0)
+    # Apex's float32 check: a model comes to initialize in float32.
+    with pytest.raises(ValueError, match=r"variables\['params'\]\['bias'\] is float16.*float32 "
+                                         r"variables.*returned these already"):
+        jamp.initialize(_SMALL.apply, half, optax.sgd(0.1), opt_level="O2", verbosity=0)
+    # O1's variables are the float32 originals: set up again, they train exactly as before.
+    runs = []
+    for variables in (_SMALL_VARIABLES, None):
+        apply_fn, variables, tx = jamp.initialize(
+            _SMALL.apply, variables or runs[0][0], optax.sgd(0.1), opt_level="O1",
+            verbosity=0)
+        opt_state = tx.init(variables["params"])
+        grads = jax.grad(lambda p: jamp.scale_loss(
+            0.5 * apply_fn({"params": p}, jnp.ones((1, 3))).astype(jnp.float32).sum(),
+            opt_state))(variables["params"])
+        updates, _ = tx.update(grads, opt_state, variables["params"])
+        runs.append((variables, updates))
+    assert_same = lambda a, b: jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+    assert_same(runs[0], runs[1])
+    np.testing.assert_allclose(runs[1][1]["bias"], [-0.05, -0.05])  # one unscaled SGD step
+
+
+def test_an_optimizer_already_loss_scaled_is_refused_where_it_is_wrapped_again():
+    scaled = jamp.loss_scaled(optax.sgd(0.1))
+    with pytest.raises(RuntimeError, match=r"^txs is already loss-scaled \(made by "
+                                           r"jamp\.loss_scaled\).*plain optax optimizer"):
+        jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, scaled, verbosity=0)
+    with pytest.raises(ValueError, match=r"^loss_scaled got an optimizer that already scales "
+                                         r"losses"):
+        jamp.loss_scaled(scaled)
+    # Inside a chain (or any wrapper), its state gives it away when the state is made.
+    params = _SMALL_VARIABLES["params"]
+    nested = optax.chain(optax.clip_by_global_norm(1.0), scaled)
+    with pytest.raises(ValueError, match=r"its state holds a loss scale already"):
+        jamp.loss_scaled(nested).init(params)
+    _, _, tx = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, nested, verbosity=0)
+    with pytest.raises(ValueError, match=r"its state holds a loss scale already"):
+        tx.init(params)
+
