@@ -76,7 +76,8 @@ def initialize(
     Args:
       apply_fns: a linen model's `apply` (`model.apply`), or a list of them.
       variables: the model's variables (`model.init(...)`), or a list, one per model.
-      txs: an optax transformation or a list of them (None for inference).
+      txs: an optax transformation (or `optax.MultiSteps`) or a list of them (None for
+        inference).
       enabled: False returns everything unchanged.
       opt_level: "O0", "O1", "O2" or "O3" (the letter O).
       cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
@@ -263,6 +264,8 @@ def as_transformation(tx: Any, where: str) -> optax.GradientTransformation:
             f"{where} is already loss-scaled (made by jamp.loss_scaled): initialize adds the "
             f"loss scale (and master weights) itself, and a second one would unscale every "
             f"grad twice. Give initialize the plain optax optimizer.")
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"{where} must be an optax GradientTransformation or optax.MultiSteps, "
                         f"got {tx!r}.")

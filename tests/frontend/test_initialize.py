@@ -437,3 +437,48 @@ def test_an_optimizer_already_loss_scaled_is_refused_where_it_is_wrapped_again()
     with pytest.raises(ValueError, match=r"its state holds a loss scale already"):
         tx.init(params)
 
+
+# -- optax.MultiSteps: gradient accumulation under the loss scale --------------------------------
+
+
+@pytest.mark.parametrize("form", ["object", "transformation"])
+def test_multisteps_accumulates_unscaled_grads_and_a_skipped_micro_step_leaves_it(form):
+    # The loss scale wraps the accumulation: each micro-step's grads are unscaled and checked
+    # before they are accumulated, so a scale change between micro-steps is harmless and an
+    # overflowing micro-step is dropped whole. Held against optax's own MultiSteps fed the
+    # finite micro-steps' true grads.
+    every = 3
+    accumulating = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=every)
+    given = accumulating if form == "object" else accumulating.gradient_transformation()
+    _, variables, tx = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, given, opt_level="O0",
+                                       loss_scale="dynamic", verbosity=0)
+    params = reference_params = variables["params"]
+    reference = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=every)
+    opt_state, reference_state = tx.init(params), reference.init(params)
+    rng = np.random.default_rng(0)
+    true_grads = [jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(7)]
+    update = jax.jit(tx.update)
+    applied = []
+    for i, g in enumerate(true_grads):
+        scale = jamp.get_loss_scale(opt_state).loss_scale
+        scaled = jax.tree_util.tree_map(lambda x: x * scale, g)
+        if i == 1:  # an overflowing micro-step inside the first window
+            scaled = jax.tree_util.tree_map(lambda x: x.at[0].set(jnp.inf), scaled)
+            before = opt_state
+        updates, opt_state = update(scaled, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if i == 1:
+            jax.tree_util.tree_map(np.testing.assert_array_equal, opt_state.inner_state,
+                                   before.inner_state)  # accumulator and mini_step untouched
+            assert float(jamp.get_loss_scale(opt_state).loss_scale) == 2.0**15
+        else:
+            ref_updates, reference_state = reference.update(g, reference_state,
+                                                            reference_params)
+            reference_params = optax.apply_updates(reference_params, ref_updates)
+            jax.tree_util.tree_map(np.testing.assert_array_equal, new_params, reference_params)
+        applied.append(not np.array_equal(new_params["kernel"], params["kernel"]))
+        params = new_params
+    # One update per `every` finite micro-steps: after micro-steps 0, 2, 3 and 4, 5, 6.
+    assert applied == [False, False, False, True, False, False, True]
+    assert jamp.state_dict(opt_state)["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 5}

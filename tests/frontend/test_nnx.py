@@ -444,3 +444,25 @@ def test_nnx_objects_passed_to_the_model_are_the_callers():
     assert first.dtype == F32 and not np.array_equal(first, second)   # a new mask each call
     assert int(rngs.dropout.count[...]) == 2    # the caller's Rngs advanced, not a cast copy
 
+
+def test_an_optimizer_with_multisteps_accumulates_under_the_loss_scale():
+    model = MLP(3, 2, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2),
+                              wrt=nnx.Param)
+    # A static scale, so that no micro-step of this toy loss overflows float16.
+    model, optimizer = jamp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0,
+                                       verbosity=0)
+    x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+
+    def scaled_loss(model):
+        return jamp.scale_loss(jnp.mean((model(x).astype(jnp.float32) - y) ** 2),
+                               optimizer.opt_state)
+
+    kernels = [np.asarray(model.out.kernel[...])]
+    for _ in range(4):
+        optimizer.update(model, nnx.grad(scaled_loss)(model))
+        kernels.append(np.asarray(model.out.kernel[...]))
+    moved = [not np.array_equal(a, b) for a, b in zip(kernels, kernels[1:])]
+    assert moved == [False, True, False, True]  # one update per two micro-steps
+    assert model.out.kernel.dtype == F16
+    assert jamp.state_dict(optimizer.opt_state)["loss_scaler0"]["unskipped"] == 4
