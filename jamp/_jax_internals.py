@@ -310,6 +310,13 @@ def custom_vjp_params(params: dict, call_jaxpr: ClosedJaxpr,
                 fwd_jaxpr_thunk=_wrap(fwd_jaxpr_thunk, thunk), bwd=_wrap(new_bwd, bwd))
 
 
+def custom_vjp_bwd(params: dict) -> Callable:
+    """The bwd a `custom_vjp_call` equation was made with, as its user passed it to
+    `defvjp` (the callable inside the `lu.WrappedFun` JAX keeps in the params): autocast
+    recognizes a `jamp.autograd.Function`'s call by it."""
+    return params["bwd"].f
+
+
 def tangent_aval(aval):
     """The aval of a tangent of `aval` (float0 for integer primals)."""
     return aval.to_tangent_aval()

@@ -32,8 +32,14 @@ class with a static `jvp(ctx, *tangents)` takes a `jax.custom_jvp` path instead:
   transform applied from outside a staged region (`jax.jvp(jax.jit(f))`, a `lax.scan` body)
   finds the custom_vjp path and JAX refuses it ("can't apply forward-mode autodiff (jvp) to a
   custom_vjp function"). Differentiate inside the staged region there, or define `jvp` only.
-- A class with `backward` only refuses forward mode when `apply` can see it, with an error that
-  says to define `jvp` (torch's rule); otherwise JAX's own error above.
+- A class with `backward` only refuses forward mode when `apply` can see it, with torch's
+  `NotImplementedError`, saying to define `jvp`; otherwise JAX's own error above.
+
+Under `jamp.autocast`. The bwd of the custom_vjp is a `_Backward`, which autocast recognizes
+(`jamp.transforms.interpreter.RetraceableCall`): it traces the call again for the dtypes its
+inputs arrive in, so forward sees them as torch's forward does, and backward gets grads in the
+dtypes forward's ops return under autocast. On the custom_jvp path, and when JAX rebuilds the
+call (a `jax.vmap` inside the transformed function), forward sees the traced dtypes.
 
 forward, backward and jvp run as traced code: Python side effects in them happen when JAX
 traces them, not on every step of a jitted program.
@@ -53,6 +59,8 @@ from jax.custom_derivatives import SymbolicZero
 from jamp._checks import check_bool
 from jamp.policy.cast import is_numeric_array
 from jamp import _jax_internals as jx
+from jamp.transforms.custom_amp import cast_inputs_of
+from jamp.transforms.interpreter import RetraceableCall
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]
 
@@ -421,6 +429,36 @@ def _primal(call: _Call, box: dict) -> Callable:
     return primal
 
 
+class _Backward(RetraceableCall):
+    """The bwd of one call's custom_vjp: `backward` on the ctx its fwd left, with the grads it
+    returns checked. It can also trace the whole call again for other input dtypes, which
+    autocast does so that forward sees the dtypes torch's would (`RetraceableCall`)."""
+
+    def __init__(self, call: _Call, backward: Callable):
+        self.call = call
+        self.backward = backward
+        self.cast_inputs = cast_inputs_of(call.cls.forward)
+
+    def __call__(self, residual, cts):
+        static, (is_array, non_diff, avals) = residual.static.value
+        ctx = FunctionCtx._unflatten(residual.arrays, static)
+        cts = iter(zip(cts, non_diff, avals))
+        grad_outputs = []
+        for a in is_array:
+            if not a:
+                grad_outputs.append(None)
+                continue
+            ct, nd, aval = next(cts)
+            grad_outputs.append(_zero_or_none(aval, ctx._materialize) if nd or _is_zero(ct)
+                                else ct)
+        return self.call.cotangents(self.backward(ctx, *grad_outputs), ctx.needs_input_grad)
+
+    def retraced(self, *inputs):
+        call = _Call(self.call.cls, self.call.rebuild(inputs))
+        fn, _ = _custom_call(call)
+        return fn(*call.dynamic)
+
+
 def _vjp_call(call: _Call, backward: Callable) -> tuple[Callable, dict]:
     """The custom_vjp of one call, and the box where it leaves forward's `_Outputs`."""
     box: dict = {}
@@ -436,22 +474,8 @@ def _vjp_call(call: _Call, backward: Callable) -> tuple[Callable, dict]:
                   tuple(jax.typeof(o) for o in outputs.arrays))
         return outputs.arrays, _Residual(arrays, _Static((static, layout)))
 
-    def bwd(residual, cts):
-        static, (is_array, non_diff, avals) = residual.static.value
-        ctx = FunctionCtx._unflatten(residual.arrays, static)
-        cts = iter(zip(cts, non_diff, avals))
-        grad_outputs = []
-        for a in is_array:
-            if not a:
-                grad_outputs.append(None)
-                continue
-            ct, nd, aval = next(cts)
-            grad_outputs.append(_zero_or_none(aval, ctx._materialize) if nd or _is_zero(ct)
-                                else ct)
-        return call.cotangents(backward(ctx, *grad_outputs), ctx.needs_input_grad)
-
     fn = jax.custom_vjp(_primal(call, box))
-    fn.defvjp(fwd, bwd, symbolic_zeros=True)
+    fn.defvjp(fwd, _Backward(call, backward), symbolic_zeros=True)
     return fn, box
 
 
@@ -510,6 +534,22 @@ def _output_tangents(name: str, result, outputs: _Outputs, ctx: FunctionCtx) -> 
                                f"expected {aval.shape}.")
         out.append(t.astype(aval.dtype) if t.dtype != aval.dtype else t)
     return tuple(out)
+
+
+def _custom_call(call: _Call) -> tuple[Callable, dict]:
+    """The custom_vjp or custom_jvp of one call (see the module docs for which), and the box
+    where it leaves forward's `_Outputs`."""
+    cls = call.cls
+    backward = _backward_method(cls)
+    forward_mode = any(jx.innermost_autodiff(x) == "forward" for x in call.dynamic)
+    if _overrides(cls, "jvp") and (backward is None or forward_mode):
+        return _jvp_call(call)
+    if forward_mode:
+        # torch's type: a missing jvp is a NotImplementedError, which callers catch.
+        raise NotImplementedError(
+            f"{cls.__name__} defines no jvp: forward-mode differentiation (jax.jvp, "
+            "jax.jacfwd) of a Function needs a static jvp(ctx, *tangents), as in torch.")
+    return _vjp_call(call, backward or cls.backward)
 
 
 class Function:
@@ -579,16 +619,7 @@ class Function:
         call = _Call(cls, args)
         if not call.dynamic:  # nothing JAX could differentiate or trace
             return _forward(cls, FunctionCtx(call.name, (False,) * len(args)), args)
-        backward = _backward_method(cls)
-        forward_mode = any(jx.innermost_autodiff(x) == "forward" for x in call.dynamic)
-        if _overrides(cls, "jvp") and (backward is None or forward_mode):
-            fn, box = _jvp_call(call)
-        elif forward_mode:
-            raise RuntimeError(
-                f"{cls.__name__} defines no jvp: forward-mode differentiation (jax.jvp, "
-                "jax.jacfwd) of a Function needs a static jvp(ctx, *tangents), as in torch.")
-        else:
-            fn, box = _vjp_call(call, backward or cls.backward)
+        fn, box = _custom_call(call)
         arrays = fn(*call.dynamic)
         return box["outputs"].assemble(arrays)
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from jamp.frontend.master_weights import plain_state
 from jamp.scaler import (
+    CountingStaticLossScale,
     DynamicLossScale,
     GradScalerState,
     LossScaledState,
@@ -41,7 +42,8 @@ def scale_loss(loss: Any, opt_state: Any, loss_id: int = 0) -> Any:
         after an overflow only one of them saw, so grads scaled with one and unscaled with the
         other would be silently wrong. Scale the loss once per optimizer (the grads of
         `scale_loss(loss, opt_state_k)` for optimizer k's params), or combine the optimizers
-        into one with `optax.multi_transform`.
+        into one with `optax.multi_transform`. Or `opt_state` holds no loss scale (a plain
+        optax state: give the state of the optimizer `jamp.initialize` returned).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -59,14 +61,22 @@ def scale_loss(loss: Any, opt_state: Any, loss_id: int = 0) -> Any:
             f"or the optimizers are combined into one with optax.multi_transform.")
     if type(opt_state) in (list, tuple) and len(opt_state) == 1:
         opt_state = opt_state[0]
-    return get_loss_scale(opt_state, loss_id=loss_id).scale(loss)
+    return get_loss_scale(_the_state(opt_state, "scale_loss"), loss_id=loss_id).scale(loss)
 
 
-def _the_state(opt_state: Any) -> LossScaledState:
+def _the_state(opt_state: Any, caller: str) -> LossScaledState:
+    """The one `LossScaledState` in `opt_state`, for `caller` (named in the error)."""
     found = find_loss_scaled_states(plain_state(opt_state))
-    if len(found) != 1:
-        raise ValueError(f"expected an optimizer state holding exactly one loss_scaled state "
-                         f"(what jamp.initialize's optimizers hold), found {len(found)}.")
+    if not found:
+        raise ValueError(
+            f"{caller} got an optimizer state holding no loss scale (a plain optax state?): "
+            f"pass the state of an optimizer that scales losses, `tx.init(params)` of the tx "
+            f"that jamp.initialize returned (with NNX: optimizer.opt_state after "
+            f"jamp.initialize(model, optimizer)) or of jamp.loss_scaled(your_optax_tx).")
+    if len(found) > 1:
+        raise ValueError(
+            f"{caller} got an optimizer state holding {len(found)} loss scales (several "
+            f"jamp.loss_scaled optimizers side by side): pass the state of one of them.")
     return found[0]
 
 
@@ -75,7 +85,9 @@ def _scales(state: LossScaledState) -> tuple:
 
 
 def _counter(ls: Any) -> int:
-    if isinstance(ls, DynamicLossScale):
+    """Apex's `unskipped`: the finite steps since the scale last changed (a static scale
+    never changes; jmp's `StaticLossScale` and `NoOpLossScale` keep no count)."""
+    if isinstance(ls, (DynamicLossScale, CountingStaticLossScale)):
         return int(np.asarray(ls.counter))
     if isinstance(ls, GradScalerState):
         return int(np.asarray(ls.growth_tracker))
@@ -87,7 +99,7 @@ def state_dict(opt_state: Any) -> dict[str, dict[str, Any]]:
     one entry per loss, as Python numbers."""
     return {f"{_PREFIX}{k}": {"loss_scale": float(np.asarray(ls.loss_scale)),
                               "unskipped": _counter(ls)}
-            for k, ls in enumerate(_scales(_the_state(opt_state)))}
+            for k, ls in enumerate(_scales(_the_state(opt_state, "state_dict")))}
 
 
 def _loaded(ls: Any, entry: dict) -> Any:
@@ -99,6 +111,9 @@ def _loaded(ls: Any, entry: dict) -> Any:
     if isinstance(ls, GradScalerState):
         return dataclasses.replace(ls, loss_scale=jnp.asarray(scale, jnp.float32),
                                    growth_tracker=jnp.asarray(unskipped, jnp.int32))
+    if isinstance(ls, CountingStaticLossScale):
+        return CountingStaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype),
+                                       counter=jnp.asarray(unskipped, jnp.int32))
     if isinstance(ls, StaticLossScale):
         return StaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype))
     if isinstance(ls, NoOpLossScale):
@@ -119,7 +134,7 @@ def load_state_dict(opt_state: Any, state_dict: dict) -> Any:
       RuntimeError: a key that is not a `loss_scaler` entry (Apex's message).
     """
     plain = plain_state(opt_state)
-    current = _the_state(plain)
+    current = _the_state(plain, "load_state_dict")
     scales = list(_scales(current))
     if len(state_dict) != len(scales):
         warnings.warn(f"Warning: state_dict contains {len(state_dict)} entries, while "

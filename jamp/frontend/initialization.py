@@ -33,10 +33,15 @@ import optax
 from jamp._checks import check_bool, check_count
 from jamp.frontend.master_weights import master_weights as _master_weights
 from jamp.frontend.master_weights import to_float32
-from jamp.policy import properties
+from jamp.policy import Properties, properties
 from jamp.policy.dtypes import canonical_floating_dtype
 from jamp.policy.opt_levels import OPT_LEVELS
-from jamp.scaler import DynamicLossScale, StaticLossScale, loss_scaled
+from jamp.scaler import (
+    CountingStaticLossScale,
+    DynamicLossScale,
+    LossScaledTransformation,
+    loss_scaled,
+)
 from jamp.scaler.loss_scale import is_inexact
 from jamp.transforms import autocast
 
@@ -71,7 +76,8 @@ def initialize(
     Args:
       apply_fns: a linen model's `apply` (`model.apply`), or a list of them.
       variables: the model's variables (`model.init(...)`), or a list, one per model.
-      txs: an optax transformation or a list of them (None for inference).
+      txs: an optax transformation (or `optax.MultiSteps`) or a list of them (None for
+        inference).
       enabled: False returns everything unchanged.
       opt_level: "O0", "O1", "O2" or "O3" (the letter O).
       cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
@@ -88,12 +94,15 @@ def initialize(
       `opt_state = tx.init(variables["params"])`.
 
     Raises:
-      RuntimeError: an unknown opt level (Apex's message), or an inconsistent override with
-        `properties(strict=True)` semantics (here a warning).
-      TypeError: an apply function that is not a linen model's `apply`, or flags of the wrong
-        type.
-      ValueError: lists of different lengths, float64 params, `keep_batchnorm_fp32` given for a
-        model without BatchNorm, or a bad loss-scale setting.
+      RuntimeError: an unknown opt level (Apex's message), an inconsistent override with
+        `properties(strict=True)` semantics (here a warning), or a second pass: an apply
+        function or optimizer that `initialize` returned, or an optimizer made by
+        `jamp.loss_scaled` (Apex: "should only be passed through amp.initialize once").
+      TypeError: an apply function that is not a linen model's `apply`, an optimizer that is
+        not an optax transformation, or flags of the wrong type.
+      ValueError: lists of different lengths, floating variables that are not float32 (Apex's
+        float32 check: half variables are what `initialize` returns), `keep_batchnorm_fp32`
+        given for a model without BatchNorm, or a bad loss-scale setting.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jamp
@@ -129,6 +138,9 @@ def initialize(
     verbosity = check_count("verbosity", verbosity, minimum=0)
     for i, fn in enumerate(fns):
         _check_flax_apply(fn, i if fns_listed else None)
+    # A second pass shows first in the optimizers (the variables it returned are half at O2).
+    tx_list = [as_transformation(tx, f"txs[{i}]" if txs_listed else "txs")
+               for i, tx in enumerate(tx_list)]
     for i, v in enumerate(all_variables):
         _check_variables(v, i if variables_listed else None)
 
@@ -183,6 +195,13 @@ def as_list(value) -> tuple[list, bool]:
 
 def _check_flax_apply(fn: Any, index: int | None) -> None:
     where = "apply_fns" if index is None else f"apply_fns[{index}]"
+    props = getattr(fn, "amp_properties", None)
+    if isinstance(props, Properties):
+        raise RuntimeError(
+            f"{where} was returned by jamp.initialize (opt level {props.opt_level}): a model is "
+            f"passed through initialize once, and this apply function is set up already. Keep "
+            f"using it, or, to set the model up again (at another level), give initialize the "
+            f"model's own apply (model.apply) with its float32 variables.")
     module = getattr(fn, "__self__", None)
     if not (callable(fn) and isinstance(module, nn.Module)
             and getattr(fn, "__name__", "") == "apply"):
@@ -197,11 +216,60 @@ def _check_variables(variables: Any, index: int | None) -> None:
         raise TypeError(f"{where} must be a Flax variables dict with a 'params' collection "
                         f"(what model.init returns), got {type(variables).__name__}.")
     for path, leaf in jax.tree_util.tree_leaves_with_path(variables):
-        if is_inexact(leaf) and np.dtype(leaf.dtype) == np.float64:
-            raise ValueError(
-                f"{where}{jax.tree_util.keystr(path)} is float64: amp opt levels start from "
-                f"float32 params (as Apex's float32 check does). Cast the model to float32 "
-                f"first.")
+        if is_inexact(leaf):
+            check_float32(f"{where}{jax.tree_util.keystr(path)}", leaf.dtype)
+
+
+def check_float32(where: str, dtype: Any) -> None:
+    """Apex's float32 check of the models given to initialize (their params and buffers),
+    with the way out: a half value is what initialize returns (a second pass), float64 is
+    cast by the user.
+
+    Raises:
+      ValueError: a real floating `dtype` other than float32.
+    """
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype == np.float32:
+        return
+    if dtype == np.float64:
+        hint = "Cast the model to float32 first."
+    else:
+        hint = ("Half values are what jamp.initialize returns: if it returned these already, "
+                "keep using what it returned, or pass the model's original float32 variables "
+                "through initialize once.")
+    raise ValueError(f"{where} is {dtype}: jamp.initialize takes float32 models (the float32 "
+                     f"variables model.init returns), as Apex's float32 check does: no cast "
+                     f"to half before initialize. {hint}")
+
+
+def as_transformation(tx: Any, where: str) -> optax.GradientTransformation:
+    """An optimizer given to `initialize`, as the optax transformation to set up: itself, or
+    the transformation of an `optax.MultiSteps` (which optax and Flax take for one).
+
+    Raises:
+      RuntimeError: `tx` scales losses already (set up by `initialize`, or made by
+        `jamp.loss_scaled`): Apex's "should only be passed through amp.initialize once".
+      TypeError: `tx` is not an optax transformation.
+    """
+    if isinstance(tx, AmpTransformation):
+        raise RuntimeError(
+            f"{where} was set up by jamp.initialize already: an optimizer is passed through "
+            f"initialize once (Apex: \"A given optimizer should only be passed through "
+            f"amp.initialize once.\"), and a second pass would wrap its loss scale in another "
+            f"one and unscale every grad twice. Keep using it as initialize set it up, or, to "
+            f"set the model up again (at another level), start from your own optax optimizer "
+            f"(a new optax.adam(...), say) and the model's float32 parameters.")
+    if isinstance(tx, LossScaledTransformation):
+        raise RuntimeError(
+            f"{where} is already loss-scaled (made by jamp.loss_scaled): initialize adds the "
+            f"loss scale (and master weights) itself, and a second one would unscale every "
+            f"grad twice. Give initialize the plain optax optimizer.")
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"{where} must be an optax GradientTransformation or optax.MultiSteps, "
+                        f"got {tx!r}.")
+    return tx
 
 
 def print_options(opt_level: str, props) -> None:
@@ -359,19 +427,25 @@ def cast_outputs(out: Any, dtype) -> Any:
 
 def apex_loss_scale(setting: Any, min_loss_scale: float | None, max_loss_scale: float):
     """The loss scale Apex's `loss_scale` option asks for: dynamic (Apex's scaler: 2**16,
-    window 2000, factor 2, with the floor and ceiling) or a static number."""
+    window 2000, factor 2, with the floor and ceiling) or a static number (counting its
+    unskipped steps, as Apex's static scaler does)."""
     if setting == "dynamic":
         floor = 0.0 if min_loss_scale is None else min_loss_scale
         return DynamicLossScale(jnp.float32(_APEX_INIT_SCALE), period=_APEX_SCALE_WINDOW,
                                 factor=2, min_loss_scale=jnp.float32(floor),
                                 max_loss_scale=max_loss_scale)
-    return StaticLossScale(jnp.float32(setting))
+    return CountingStaticLossScale(jnp.float32(setting))
+
+
+class AmpTransformation(LossScaledTransformation):
+    """An optimizer `initialize` returns: `jamp.loss_scaled` of the user's (at O2 inside
+    `jamp.master_weights`). Its type tells a second `initialize` that it is set up already."""
+
+    __slots__ = ()
 
 
 def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed,
                    returned_params):
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"txs must be optax GradientTransformations, got {tx!r}.")
     scales = [apex_loss_scale(props.loss_scale, min_loss_scale, max_loss_scale)
               for _ in range(num_losses)]
     if not props.master_weights:
@@ -384,7 +458,7 @@ def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed
         _check_optimizer_params(params, props.opt_level, allowed, returned_params)
         return amp_tx.init(params)
 
-    return optax.GradientTransformationExtraArgs(init, amp_tx.update)
+    return AmpTransformation(init, amp_tx.update)
 
 
 def _state_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -81,8 +81,10 @@ from jamp.frontend.initialization import (
     amp_optimizer,
     apex_loss_scale,
     as_list,
+    as_transformation,
     cast_inputs,
     cast_outputs,
+    check_float32,
     param_dtypes,
     print_options,
 )
@@ -132,13 +134,14 @@ def initialize_nnx(
       `(models, optimizers)` when optimizers were given: the same objects, as Apex returns.
 
     Raises:
-      RuntimeError: an unknown opt level (Apex's message), or a model or optimizer that
-        `initialize` already set up.
+      RuntimeError: an unknown opt level (Apex's message), a model or optimizer that
+        `initialize` already set up, or an optimizer whose transformation scales losses
+        already (`jamp.loss_scaled`).
       TypeError: a model that is not a callable `nnx.Module`, an optimizer that is not an
         `nnx.Optimizer`, or flags of the wrong type.
-      ValueError: lists of different lengths, float64 state, `keep_batchnorm_fp32` given for
-        a model without BatchNorm, an optimizer made for a model other than its partner, or
-        a bad loss-scale setting.
+      ValueError: lists of different lengths, floating state that is not float32 (Apex's
+        float32 check), `keep_batchnorm_fp32` given for a model without BatchNorm, an
+        optimizer made for a model other than its partner, or a bad loss-scale setting.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -272,10 +275,8 @@ def _check_model(model: Any, where: str) -> None:
                                f"each model through initialize once.")
     for path, v in _variables(model):
         value = v.get_raw_value()
-        if _floating_array(value) and np.dtype(value.dtype) == np.float64:
-            raise ValueError(
-                f"{where}{_path(path)} is float64: amp opt levels start from float32 params "
-                f"(as Apex's float32 check does). Cast the model to float32 first.")
+        if _floating_array(value):
+            check_float32(f"{where}{_path(path)}", value.dtype)
 
 
 def _check_optimizer(optimizer: Any, where: str, earlier: list) -> None:
@@ -285,11 +286,12 @@ def _check_optimizer(optimizer: Any, where: str, earlier: list) -> None:
             f"{type(optimizer).__name__}: the NNX form takes NNX optimizers.")
     if any(optimizer is o for o in earlier):
         raise ValueError(f"{where} is given twice: give each optimizer once.")
+    as_transformation(optimizer.tx, where)
     if find_loss_scaled_states(optimizer.opt_state):
         raise RuntimeError(
-            f"{where} was already set up by jamp.initialize (its state holds a loss scale): "
-            f"pass each optimizer through initialize once, made with the user's optax "
-            f"transformation.")
+            f"{where} already scales losses: its state holds a loss scale (a jamp.loss_scaled "
+            f"inside its transformation), and the one initialize adds would unscale every grad "
+            f"twice. Make the nnx.Optimizer with the plain optax transformation.")
 
 
 def _state_kw(optimizer) -> dict:
@@ -496,8 +498,8 @@ def _amp_nnx_optimizer(optimizer, model, props, num_losses, min_loss_scale, max_
                        allowed) -> None:
     """Gives `optimizer` jamp's transformation and a state made from the (cast) model."""
     params = nnx.state(model, optimizer.wrt, **_state_kw(optimizer))
-    tx = amp_optimizer(optimizer.tx, props, num_losses, min_loss_scale, max_loss_scale,
-                       allowed, [params])
+    tx = amp_optimizer(as_transformation(optimizer.tx, "the optimizer"), props, num_losses,
+                       min_loss_scale, max_loss_scale, allowed, [params])
     opt_state = to_opt_state(tx.init(params))
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(opt_state)

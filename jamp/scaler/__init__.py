@@ -9,6 +9,7 @@ from jamp.scaler import serialization  # registers the states' flax state dicts
 from jamp.scaler.dynamic_scale import DynamicScale, DynamicScaleResult
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
+    CountingStaticLossScale,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
@@ -18,6 +19,7 @@ from jamp.scaler.loss_scale import (
 )
 from jamp.scaler.optax_wrapper import (
     LossScaledState,
+    LossScaledTransformation,
     find_loss_scaled_states,
     get_loss_scale,
     loss_scaled,
@@ -25,9 +27,9 @@ from jamp.scaler.optax_wrapper import (
 from jamp.scaler.value_and_grad import ScaledValueAndGrad, scaled_value_and_grad
 
 __all__ = [
-    "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "GradScalerState",
-    "LossScale", "LossScaledState", "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad",
-    "StateDictKeyError", "StaticLossScale", "all_finite", "find_loss_scaled_states",
-    "get_loss_scale", "loss_scaled",
+    "CountingStaticLossScale", "DynamicLossScale", "DynamicScale", "DynamicScaleResult",
+    "GradScaler", "GradScalerState", "LossScale", "LossScaledState", "LossScaledTransformation",
+    "NoOpLossScale", "NotScalarBoolError", "ScaledValueAndGrad", "StateDictKeyError",
+    "StaticLossScale", "all_finite", "find_loss_scaled_states", "get_loss_scale", "loss_scaled",
     "scaled_value_and_grad", "select_tree",
 ]

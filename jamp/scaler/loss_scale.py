@@ -26,6 +26,7 @@ from typing import Any, TypeVar, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from jamp._checks import (
@@ -255,6 +256,49 @@ class StaticLossScale(_MultipliesByLossScale):
     def __hash__(self):
         key = _static_key(self.loss_scale)
         return id(self) if key is None else hash(key)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class CountingStaticLossScale(StaticLossScale):
+    """A `StaticLossScale` that counts the finite steps it saw: Apex's static loss scaler,
+    whose count is the `unskipped` entry of `jamp.state_dict`.
+
+    `adjust` keeps the scale and adds one to `counter` on a finite step (saturating at the
+    int32 maximum). `loss_scaled` makes one from a number (`loss_scale=128.0`), as
+    `jamp.initialize` does at O0, O3 and with a numeric `loss_scale`. Unlike jmp's
+    `StaticLossScale` (no leaves), `counter` is a pytree leaf; the scale is static.
+
+    Example:
+      >>> import jax.numpy as jnp, jamp
+      >>> ls = jamp.scaler.CountingStaticLossScale(jnp.float32(128.0))
+      >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(False))
+      >>> float(ls.loss_scale), int(ls.counter)
+      (128.0, 1)
+    """
+
+    counter: Any = dataclasses.field(default_factory=lambda: np.zeros([], np.int32))
+
+    def tree_flatten(self):
+        return (self.counter,), _value_key(self.loss_scale)
+
+    @classmethod
+    def tree_unflatten(cls, key, leaves) -> "CountingStaticLossScale":
+        # Built without __post_init__: JAX passes placeholder leaves here.
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "loss_scale", _from_key(key))
+        object.__setattr__(obj, "counter", leaves[0])
+        return obj
+
+    def adjust(self, grads_finite: jax.Array) -> "CountingStaticLossScale":
+        """The same scale, with the step counted when `grads_finite`."""
+        grads_finite = scalar_bool("grads_finite", grads_finite)
+        counter = jnp.where(grads_finite, optax.safe_increment(self.counter), self.counter)
+        return dataclasses.replace(self, counter=counter)
+
+    # A pytree with a leaf, not static data: compared by identity, as pytrees are.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
 
 @jax.tree_util.register_pytree_node_class

@@ -29,6 +29,7 @@ from jax import lax
 from jamp._checks import check_bool, check_count, parse_loss_scale
 from jamp.scaler.grad_scaler import GradScaler, GradScalerState
 from jamp.scaler.loss_scale import (
+    CountingStaticLossScale,
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
@@ -59,12 +60,31 @@ class LossScaledState(NamedTuple):
     last_finite: jax.Array
 
 
+class LossScaledTransformation(optax.GradientTransformationExtraArgs):
+    """What `loss_scaled` returns: an optax `GradientTransformationExtraArgs` (it chains,
+    and Flax and NNX take it, as any other) whose type says that it scales losses, so that a
+    second loss scale around it is refused where it is made."""
+
+    __slots__ = ()
+
+
+def _refuse_scaled_inner(inner_state: Any) -> None:
+    """A loss scale inside the wrapped optimizer (a `loss_scaled` in a chain or another
+    wrapper) would unscale every grad twice: refused when the state is made."""
+    if find_loss_scaled_states(inner_state):
+        raise ValueError(
+            "loss_scaled got an optimizer that already scales losses: its state holds a loss "
+            "scale already (a jamp.loss_scaled, or an optimizer jamp.initialize returned, "
+            "inside a chain or another wrapper), so every grad would be unscaled twice. Wrap "
+            "the plain optax optimizer once: jamp.loss_scaled(optax.chain(...)).")
+
+
 def as_loss_scale(loss_scale: Any) -> Any:
     """Turns what `loss_scaled` accepts into a loss scale object.
 
     None or "dynamic" -> torch's defaults (`GradScaler().init()`); a `GradScaler` -> its
-    `init()`; a number or numeric string -> `StaticLossScale` (Apex's `loss_scale=128.0`);
-    a loss scale object -> itself.
+    `init()`; a number or numeric string -> a static scale that counts its finite steps
+    (`CountingStaticLossScale`: Apex's `loss_scale=128.0`); a loss scale object -> itself.
     """
     if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "dynamic"):
         return GradScaler().init()
@@ -80,7 +100,7 @@ def as_loss_scale(loss_scale: Any) -> Any:
     value = parse_loss_scale(loss_scale)
     if value == "dynamic":
         return GradScaler().init()
-    return StaticLossScale(jnp.float32(value))
+    return CountingStaticLossScale(jnp.float32(value))
 
 
 def loss_scaled(
@@ -128,12 +148,19 @@ def loss_scaled(
         work. Under `jax.vmap` with a batched flag, JAX turns the cond back into selects.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
+      An `optax.GradientTransformationExtraArgs` (a `LossScaledTransformation`) whose state is
+      a `LossScaledState`.
 
     Raises:
       TypeError: an argument of the wrong type (`loss_scale=True`, `report="yes"`).
-      ValueError: a bad `loss_scale`, `num_losses` or `skip`.
+      ValueError: a bad `loss_scale`, `num_losses` or `skip`; an `inner` that scales losses
+        already (from `loss_scaled` or `jamp.initialize`; nested in a chain, at `init`).
     """
+    if isinstance(inner, LossScaledTransformation):
+        raise ValueError(
+            "loss_scaled got an optimizer that already scales losses (made by "
+            "jamp.loss_scaled, or returned by jamp.initialize): a second loss scale would "
+            "unscale every grad twice. Wrap the plain optax optimizer once.")
     if skip not in _SKIP_MODES:
         raise ValueError(f"skip must be one of {list(_SKIP_MODES)}, got skip={skip!r}.")
     num_losses = check_count("num_losses", num_losses)
@@ -151,11 +178,13 @@ def loss_scaled(
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
+        inner_state = inner.init(params)
+        _refuse_scaled_inner(inner_state)
         return LossScaledState(
             # Fresh buffers on every call: a state donated to a jitted step must not take the
             # arrays that the next `init` hands out with it.
             loss_scale=jax.tree_util.tree_map(jnp.array, initial),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             total_steps=jnp.zeros([], jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),
             last_finite=jnp.array(True),
@@ -211,7 +240,7 @@ def loss_scaled(
             last_finite=finite,
         )
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return LossScaledTransformation(init, update)
 
 
 def _update_if(finite, inner_update, grads, inner_state):

@@ -14,7 +14,12 @@ from flax import serialization
 from jamp._checks import StateDictKeyError
 
 from jamp.scaler.grad_scaler import GradScalerState
-from jamp.scaler.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jamp.scaler.loss_scale import (
+    CountingStaticLossScale,
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
 
 
 def _leaves_to_state_dict(*names):
@@ -45,6 +50,8 @@ serialization.register_serialization_state(
     DynamicLossScale, *_leaves_to_state_dict("loss_scale", "counter"), override=True)
 serialization.register_serialization_state(
     GradScalerState, *_leaves_to_state_dict("loss_scale", "growth_tracker"), override=True)
+serialization.register_serialization_state(
+    CountingStaticLossScale, *_leaves_to_state_dict("counter"), override=True)
 serialization.register_serialization_state(
     StaticLossScale, _static, _restore_static, override=True)
 serialization.register_serialization_state(

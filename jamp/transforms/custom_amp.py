@@ -63,7 +63,13 @@ def custom_fwd(fwd: Callable | None = None, *, cast_inputs: Any = None):
         with jax.named_scope(rules.marker(enabled=False, as_is=True)):
             return fwd(*a, **kw)
 
+    wrapper._jamp_cast_inputs = dtype
     return wrapper
+
+
+def cast_inputs_of(fwd: Callable) -> Any:
+    """The `cast_inputs` dtype `fwd` was decorated with by `custom_fwd`, or None."""
+    return getattr(fwd, "_jamp_cast_inputs", None)
 
 
 def custom_bwd(bwd: Callable) -> Callable:

@@ -13,6 +13,9 @@ primitive, so structure, custom derivative rules and loop carry types survive:
   outputs in the traced dtypes): branches must agree, and the user's bwd was written for those
   dtypes. The user's fwd is transformed like the body; the user's bwd runs with autocast off
   (torch's rule for custom backward functions) unless it is wrapped in `jamp.custom_bwd`.
+  A `jamp.autograd.Function`'s custom_vjp (its bwd a `RetraceableCall`) is traced again for
+  its inputs' current dtypes instead, and transformed like a `jit`, outputs included: torch's
+  forward sees the dtypes its inputs arrive in.
 
 Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
 of a float32 op (they run in float32 too) and the results of normalization kernels (cast to
@@ -342,8 +345,9 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     bias = follower if name in _ADDITIVE else None
     invals = [frame.read_cast(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
-    first = floating.index(True)
-    result = invals[first].dtype
+    # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
+    # inputs (jnp.matmul of bfloat16 and float32) computes in their promotion, as traced.
+    result = rules.widest(v.dtype for v, f in zip(invals, floating, strict=True) if f)
     kernel = result in _BELOW_FP32 and (_is_linear_layer(eqn, region, frame) or (
         name in _EPILOGUE and any(a in frame.kernel for a in eqn.invars
                                   if not isinstance(a, jx.Literal))))
@@ -614,14 +618,85 @@ def _custom_jvp_rule(eqn, invals, region, ctx, constants):
     return jx.bind(eqn, jx.custom_jvp_params(eqn.params, call, transform), invals)
 
 
+class RetraceableCall:
+    """The bwd of a `jax.custom_vjp` call whose forward can be traced again for other input
+    dtypes: a `jamp.autograd.Function`'s, whose `backward` takes grads of any dtype and
+    returns them in its inputs' dtypes (`_custom_vjp_rule`). A subclass's instance is passed
+    to `defvjp` as the bwd, where autocast finds it.
+
+    Attributes:
+      cast_inputs: the dtype of the forward's `jamp.custom_fwd(cast_inputs=...)`, or None.
+    """
+
+    cast_inputs: np.dtype | None = None
+
+    def retraced(self, *inputs) -> Sequence[Any]:
+        """The call's outputs (those of its `custom_vjp_call`), for inputs that are the
+        call's non-constant inputs in other dtypes: traced anew, so its Python sees them."""
+        raise NotImplementedError
+
+
 def _custom_vjp_rule(eqn, invals, region, ctx, constants):
+    bwd = jx.custom_vjp_bwd(eqn.params)
+    if isinstance(bwd, RetraceableCall):
+        return _retraceable_rule(eqn, bwd, invals, region, ctx, constants)
     call = interface_kept(jx.custom_call_body(eqn.params), region, ctx)
-    bwd_region = region.off_as_is()
+    params = jx.custom_vjp_params(eqn.params, call,
+                                  lambda cj: interface_kept(cj, region, ctx),
+                                  _bwd_in(region.off_as_is(), ctx))
+    return jx.bind(eqn, params, _to_traced(eqn, invals))
+
+
+def _retraceable_rule(eqn, bwd: RetraceableCall, invals, region, ctx, constants):
+    """A `jamp.autograd.Function`, as torch runs one under autocast.
+
+    Its forward is Python that may read its inputs' dtypes (a kernel per dtype), traced when
+    the program was traced, in the program's dtypes. torch's forward sees the dtypes its
+    inputs arrive in (a lowered matmul's bfloat16; with `custom_fwd(cast_inputs=...)` in an
+    enabled region, that dtype), runs its ops under autocast and returns what they give. So
+    the call is traced again for the dtypes its inputs have here; at its own dtypes, its body
+    and fwd are transformed for those dtypes like a `jit`'s, outputs included. Its backward
+    then gets grads in those outputs' dtypes and runs with autocast off (or, under
+    `custom_bwd`, in the forward's region), as torch's does; the Function casts the grads it
+    returns to its inputs' dtypes.
+    """
+    num_consts = jx.custom_call_num_consts(eqn.params)
+    inputs = invals[num_consts:]
+    if bwd.cast_inputs is not None and region.enabled:
+        inputs = [cast(v, bwd.cast_inputs) if rules.is_castable(v.dtype) else v
+                  for v in inputs]
+    if [v.dtype for v in inputs] != [a.aval.dtype for a in eqn.invars[num_consts:]]:
+        avals = _weak_literal_avals(inputs)
+        key = ("retraced", bwd, _avals_key(avals))
+        if key not in ctx.jaxprs:
+            ctx.jaxprs[key] = jx.trace_closed(bwd.retraced, avals)
+        return eval_jaxpr(ctx.jaxprs[key], inputs, region, ctx, constants[num_consts:])
+    invals = [*invals[:num_consts], *inputs]
+    call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals, constants)
+    num_outs = len(call.out_avals)
+
+    def fwd_in_call_dtypes(fwd: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+        # The fwd returns the residuals, then the outputs: those in the body's dtypes, which
+        # are the call's (JAX takes the output tangents' types from the fwd).
+        def body(*args):
+            outs = eval_jaxpr(fwd, args, region, ctx)
+            return (outs[:len(outs) - num_outs]
+                    + cast_to_avals(outs[len(outs) - num_outs:], call.out_avals))
+
+        return jx.trace_closed(body, fwd.in_avals)
+
+    params = jx.custom_vjp_params(eqn.params, call, fwd_in_call_dtypes,
+                                  _bwd_in(region.off_as_is(), ctx))
+    return jx.bind(eqn, params, invals)
+
+
+def _bwd_in(bwd_region: Region, ctx: Context) -> Callable[[Callable], Callable]:
+    """Wraps a custom_vjp's bwd to be traced and evaluated in `bwd_region`: autocast off,
+    or, under custom_bwd, the forward's region."""
 
     def wrap_bwd(bwd: Callable) -> Callable:
-        # The user's bwd is traced and evaluated with autocast off (or, under custom_bwd, in
-        # the forward's region); symbolic zeros (the cotangents of unused outputs, under
-        # `symbolic_zeros=True`, as jamp.autograd.Function's) pass around the trace untouched.
+        # Symbolic zeros (the cotangents of unused outputs, under `symbolic_zeros=True`, as
+        # jamp.autograd.Function's) pass around the trace untouched.
         def new_bwd(*args):
             zeros = {i: a for i, a in enumerate(args) if jx.is_symbolic_zero(a)}
             given = [a for i, a in enumerate(args) if i not in zeros]
@@ -649,9 +724,7 @@ def _custom_vjp_rule(eqn, invals, region, ctx, constants):
 
         return new_bwd
 
-    params = jx.custom_vjp_params(eqn.params, call,
-                                  lambda cj: interface_kept(cj, region, ctx), wrap_bwd)
-    return jx.bind(eqn, params, _to_traced(eqn, invals))
+    return wrap_bwd
 
 
 def _eval_kept(closed, args, region, ctx) -> list[Any]:

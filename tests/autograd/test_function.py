@@ -12,7 +12,7 @@ import pytest
 import jamp
 from jamp.autograd.function import Function, FunctionCtx, once_differentiable
 
-from helpers import X, W, lowered_op_types
+from helpers import X, W, eqn_dtypes, jaxpr_eqns, lowered_op_types
 
 A = jnp.array([0.5, -1.0, 2.0])
 B = jnp.array([1.5, 0.25, -0.75])
@@ -724,8 +724,12 @@ def test_missing_methods_are_errors():
     np.testing.assert_allclose(NoBackward.apply(A), 2 * A)
     with pytest.raises(NotImplementedError, match="NoBackward defines no backward"):
         jax.grad(lambda x: NoBackward.apply(x).sum())(A)
-    with pytest.raises(RuntimeError, match="NoBackward defines no jvp"):
+    # torch's type: forward mode of a Function without jvp is a NotImplementedError.
+    with pytest.raises(NotImplementedError,
+                       match=r"NoBackward defines no jvp: .*needs a static jvp\(ctx, \*tangents\)"):
         jax.jvp(NoBackward.apply, (A,), (A,))
+    with pytest.raises(NotImplementedError, match="NoBackward defines no jvp"):
+        jax.jacfwd(lambda x: NoBackward.apply(x).sum())(A)
 
     class Both(Function):
         @staticmethod
@@ -859,3 +863,68 @@ def test_custom_fwd_on_the_setup_context_form():
     fwd, *bwd = matmul_dots(MatMul)
     assert fwd == ("float32",) * 3
     assert bwd == [("bfloat16",) * 3] * 2
+
+
+# -- autocast: forward and backward see the dtypes torch's see -----------------------------------
+
+
+def branch_on_dtype(base, low, custom_fwd=lambda f: f, custom_bwd=lambda f: f):
+    """A Function (of `base`: jamp's or torch's) whose forward picks its math by its input's
+    dtype and whose backward picks it by its grad's (`low`: the framework's bfloat16)."""
+
+    class BranchOnDtype(base):
+        @staticmethod
+        @custom_fwd
+        def forward(ctx, x):
+            ctx.factor = 2.0 if x.dtype == low else 3.0
+            return x * ctx.factor
+
+        @staticmethod
+        @custom_bwd
+        def backward(ctx, g):
+            return g * ctx.factor * (5.0 if g.dtype == low else 7.0)
+
+    return BranchOnDtype
+
+
+@pytest.mark.parametrize("cast_to_float32", [False, True])
+def test_under_autocast_forward_and_backward_see_torchs_dtypes(torch, cast_to_float32):
+    # torch: a Function called on a lowered matmul's result gets it in bfloat16 (forward's
+    # x.dtype, its output, backward's grad); with custom_fwd(cast_inputs=float32), in float32.
+    def decorated(framework, low):
+        base = Function if framework is jamp else torch.autograd.Function
+        if not cast_to_float32:
+            return branch_on_dtype(base, low)
+        fwd = (jamp.custom_fwd(cast_inputs=jnp.float32) if framework is jamp else
+               torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32))
+        bwd = jamp.custom_bwd if framework is jamp else torch.amp.custom_bwd(device_type="cpu")
+        return branch_on_dtype(base, low, fwd, bwd)
+
+    mine = decorated(jamp, jnp.bfloat16)
+    loss = jamp.autocast(lambda x, w: mine.apply(x @ w).astype(jnp.float32).sum(),
+                         device_type="cpu")
+    value, grad = jax.value_and_grad(loss, argnums=1)(X, W)
+
+    theirs = decorated(torch, torch.bfloat16)
+    x, w = torch.tensor(np.asarray(X)), torch.tensor(np.asarray(W), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = theirs.apply(x @ w)
+        expected = out.float().sum()
+    expected.backward()
+    np.testing.assert_allclose(value, expected.item(), rtol=2e-2)
+    assert grad.dtype == jnp.float32
+    np.testing.assert_allclose(grad, w.grad.numpy(), rtol=2e-2, atol=1e-2)
+    # The Function's call in the transformed program takes and returns torch's dtypes.
+    call, = jaxpr_eqns(jax.make_jaxpr(loss)(X, W), "custom_vjp_call")
+    low = "float32" if cast_to_float32 else "bfloat16"
+    assert eqn_dtypes(call) == ([low], [low]) and str(out.dtype) == f"torch.{low}"
+
+
+def test_under_autocast_a_function_outside_the_lowered_ops_sees_float32():
+    fn = branch_on_dtype(Function, jnp.bfloat16)
+    loss = lambda x, w: fn.apply(jnp.tanh(x) @ w).sum()
+    with_region = jamp.autocast(
+        lambda x, w: jamp.autocast(enabled=False)(loss)(x, w), device_type="cpu")
+    np.testing.assert_allclose(with_region(X, W), 3.0 * (jnp.tanh(X) @ W).sum(), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(with_region, argnums=1)(X, W),
+                               21.0 * jnp.tanh(X).T @ jnp.ones((3, 4)), rtol=1e-6)

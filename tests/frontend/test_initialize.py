@@ -271,7 +271,7 @@ def test_prints_apexs_selected_level_block(capsys):
                              verbosity=0),
      ValueError, "loss_scale=-1.0"),
     (lambda: jamp.initialize(MODEL.apply, VARIABLES, "not an optimizer", verbosity=0),
-     TypeError, "optax GradientTransformations"),
+     TypeError, "txs must be an optax GradientTransformation or optax.MultiSteps"),
 ])
 def test_bad_input_names_the_value(make, error, message):
     with pytest.raises(error, match=message):
@@ -327,3 +327,159 @@ def test_a_loss_scaled_for_several_optimizers_is_refused():
     with pytest.raises(ValueError, match="scaled once per optimizer.*multi_transform"):
         jamp.scale_loss(jnp.float32(1.0), states)
     assert float(jamp.scale_loss(jnp.float32(1.0), states[:1])) == 2.0**16
+
+
+
+@pytest.mark.parametrize("name,use", [
+    ("scale_loss", lambda state: jamp.scale_loss(jnp.float32(1.0), state)),
+    ("state_dict", jamp.state_dict),
+    ("load_state_dict", lambda state: jamp.load_state_dict(
+        state, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})),
+])
+def test_a_plain_optax_state_is_refused_by_name_with_the_way_to_a_loss_scaled_one(name, use):
+    plain = optax.adam(1e-3).init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=f"^{name} got an optimizer state holding no loss "
+                                         r"scale.*jamp\.initialize.*jamp\.loss_scaled"):
+        use(plain)
+
+
+@pytest.mark.parametrize("level,overrides", [("O0", {}), ("O3", {}),
+                                             ("O2", {"loss_scale": 128.0})])
+def test_a_static_scale_counts_unskipped_steps_and_skips_a_non_finite_one(
+        level, overrides, variant):
+    # Apex counts every unskipped step at a static scale; jamp also skips a step whose grads
+    # hold inf or nan there (where Apex would apply it): the step is not counted.
+    model = nn.Dense(2)
+    _, variables, tx = jamp.initialize(model.apply, model.init(jax.random.key(0), jnp.ones((1, 3))),
+                                       optax.sgd(0.5), opt_level=level, verbosity=0, **overrides)
+    params = variables["params"]
+    opt_state = tx.init(params)
+    scale = float(jamp.get_loss_scale(opt_state).loss_scale)
+    update = variant(tx.update)
+    grads = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, scale, p.dtype), params)
+    bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), grads)
+    history = []
+    for g in (grads, grads, grads, bad, grads):
+        updates, opt_state = update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        history.append((jamp.state_dict(opt_state)["loss_scaler0"], params["bias"]))
+    assert [entry for entry, _ in history] == [
+        {"loss_scale": scale, "unskipped": n} for n in (1, 2, 3, 3, 4)]
+    np.testing.assert_array_equal(history[3][1], history[2][1])  # the nan step left params
+    assert np.all(np.isfinite(np.asarray(params["bias"], np.float32)))
+    assert int(opt_state.skipped_steps) == 1 and int(opt_state.total_steps) == 5
+    loaded = jamp.load_state_dict(opt_state, {"loss_scaler0": {"loss_scale": scale,
+                                                               "unskipped": 7}})
+    assert jamp.state_dict(loaded) == {"loss_scaler0": {"loss_scale": scale, "unskipped": 7}}
+
+
+# -- a second pass through initialize ------------------------------------------------------------
+
+_SMALL = nn.Dense(2)
+_SMALL_VARIABLES = _SMALL.init(jax.random.key(0), jnp.ones((1, 3)))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_second_pass_of_the_returned_optimizer_or_apply_function_is_refused(level):
+    # Apex: "A given optimizer should only be passed through amp.initialize once."
+    apply_fn, variables, tx = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, optax.sgd(0.1),
+                                              opt_level=level, verbosity=0)
+    for given in (variables, _SMALL_VARIABLES):
+        with pytest.raises(RuntimeError, match=r"^txs was set up by jamp\.initialize already.*"
+                                               r"once.*your own optax optimizer"):
+            jamp.initialize(_SMALL.apply, given, tx, opt_level=level, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"^apply_fns was returned by jamp\.initialize "
+                                           rf"\(opt level {level}\).*model\.apply"):
+        jamp.initialize(apply_fn, _SMALL_VARIABLES, optax.sgd(0.1), opt_level=level,
+                        verbosity=0)
+    with pytest.raises(RuntimeError, match=r"txs\[1\] was set up by jamp\.initialize"):
+        jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, [optax.sgd(0.1), tx], verbosity=0)
+
+
+def test_returned_half_variables_are_refused_and_float32_ones_are_harmless():
+    _, half, _ = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, optax.sgd(0.1),
+                                 opt_level="O2", verbosity=0)
+    # Apex's float32 check: a model comes to initialize in float32.
+    with pytest.raises(ValueError, match=r"variables\['params'\]\['bias'\] is float16.*float32 "
+                                         r"variables.*returned these already"):
+        jamp.initialize(_SMALL.apply, half, optax.sgd(0.1), opt_level="O2", verbosity=0)
+    # O1's variables are the float32 originals: set up again, they train exactly as before.
+    runs = []
+    for variables in (_SMALL_VARIABLES, None):
+        _, variables, tx = jamp.initialize(_SMALL.apply, variables or runs[0][0],
+                                           optax.sgd(0.1), opt_level="O1", verbosity=0)
+        opt_state = tx.init(variables["params"])
+        scale = jamp.get_loss_scale(opt_state).loss_scale
+        grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 0.5 * scale),
+                                       variables["params"])
+        updates, _ = tx.update(grads, opt_state, variables["params"])
+        runs.append((variables, updates))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, runs[0], runs[1])
+    np.testing.assert_allclose(runs[1][1]["bias"], [-0.05, -0.05])  # one unscaled SGD step
+
+
+def test_an_optimizer_already_loss_scaled_is_refused_where_it_is_wrapped_again():
+    scaled = jamp.loss_scaled(optax.sgd(0.1))
+    with pytest.raises(RuntimeError, match=r"^txs is already loss-scaled \(made by "
+                                           r"jamp\.loss_scaled\).*plain optax optimizer"):
+        jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, scaled, verbosity=0)
+    with pytest.raises(ValueError, match=r"^loss_scaled got an optimizer that already scales "
+                                         r"losses"):
+        jamp.loss_scaled(scaled)
+    # Inside a chain (or any wrapper), its state gives it away when the state is made.
+    params = _SMALL_VARIABLES["params"]
+    nested = optax.chain(optax.clip_by_global_norm(1.0), scaled)
+    with pytest.raises(ValueError, match=r"its state holds a loss scale already"):
+        jamp.loss_scaled(nested).init(params)
+    _, _, tx = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, nested, verbosity=0)
+    with pytest.raises(ValueError, match=r"its state holds a loss scale already"):
+        tx.init(params)
+
+
+# -- optax.MultiSteps: gradient accumulation under the loss scale --------------------------------
+
+
+def test_multisteps_accumulates_unscaled_grads_and_a_skipped_micro_step_leaves_it():
+    # The loss scale wraps the accumulation: each micro-step's grads are unscaled and checked
+    # before they are accumulated, so a scale change between micro-steps is harmless and an
+    # overflowing micro-step is dropped whole. Held against optax's own MultiSteps fed the
+    # finite micro-steps' true grads.
+    every = 3
+    accumulating = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=every)
+    _, variables, tx = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES, accumulating,
+                                       opt_level="O0", loss_scale="dynamic", verbosity=0)
+    _, _, same = jamp.initialize(_SMALL.apply, _SMALL_VARIABLES,
+                                 accumulating.gradient_transformation(), opt_level="O0",
+                                 loss_scale="dynamic", verbosity=0)
+    assert (jax.tree_util.tree_structure(tx.init(variables["params"]))
+            == jax.tree_util.tree_structure(same.init(variables["params"])))
+    params = reference_params = variables["params"]
+    reference = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=every)
+    opt_state, reference_state = tx.init(params), reference.init(params)
+    rng = np.random.default_rng(0)
+    true_grads = [jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(7)]
+    update = jax.jit(tx.update)
+    applied = []
+    for i, g in enumerate(true_grads):
+        scale = jamp.get_loss_scale(opt_state).loss_scale
+        scaled = jax.tree_util.tree_map(lambda x: x * scale, g)
+        if i == 1:  # an overflowing micro-step inside the first window
+            scaled = jax.tree_util.tree_map(lambda x: x.at[0].set(jnp.inf), scaled)
+            before = opt_state
+        updates, opt_state = update(scaled, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if i == 1:
+            jax.tree_util.tree_map(np.testing.assert_array_equal, opt_state.inner_state,
+                                   before.inner_state)  # accumulator and mini_step untouched
+            assert float(jamp.get_loss_scale(opt_state).loss_scale) == 2.0**15
+        else:
+            ref_updates, reference_state = reference.update(g, reference_state,
+                                                            reference_params)
+            reference_params = optax.apply_updates(reference_params, ref_updates)
+            jax.tree_util.tree_map(np.testing.assert_array_equal, new_params, reference_params)
+        applied.append(not np.array_equal(new_params["kernel"], params["kernel"]))
+        params = new_params
+    # One update per `every` finite micro-steps: after micro-steps 0, 2, 3 and 4, 5, 6.
+    assert applied == [False, False, False, True, False, False, True]
+    assert jamp.state_dict(opt_state)["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 5}

@@ -357,8 +357,8 @@ def test_prints_apexs_selected_level_block(capsys):
 
 
 class Float64(nnx.Module):
-    def __init__(self):
-        self.w = nnx.Param(np.ones((2, 2), np.float64))
+    def __init__(self, dtype=np.float64):
+        self.w = nnx.Param(np.ones((2, 2), dtype))
 
     def __call__(self, x):
         return x @ self.w
@@ -389,6 +389,9 @@ M3, O3 = _model_and_optimizer(CNN(nnx.Rngs(0)))
     ((M1, optax.adam(1e-3)), {}, TypeError, "must be an nnx.Optimizer"),
     (([M1, MLP], None), {}, TypeError, r"models\[1\] must be an nnx.Module"),
     ((Float64(),), {}, ValueError, r"the model\.w is float64"),
+    ((Float64(np.float16),), {}, ValueError, r"the model\.w is float16: .*float32 models"),
+    ((M1, nnx.Optimizer(M1, jamp.loss_scaled(optax.adam(1e-3)), wrt=nnx.Param)), {},
+     RuntimeError, r"the optimizer is already loss-scaled \(made by jamp\.loss_scaled\)"),
     ((M1, O1), dict(opt_level="O2", keep_batchnorm_fp32=True), ValueError,
      "keep_batchnorm_fp32=True.*the model has no BatchNorm"),
     ((M1, O1), dict(opt_level="O2", loss_scale=-1.0), ValueError, "loss_scale=-1.0"),
@@ -415,7 +418,9 @@ def test_a_model_or_optimizer_set_up_twice_is_refused():
     with pytest.raises(RuntimeError, match=r"its module at \.layers\[0\]"):
         jamp.initialize(outer, opt_level="O2", verbosity=0)
     other = MLP(3, 2, nnx.Rngs(0))
-    with pytest.raises(RuntimeError, match="the optimizer was already set up"):
+    with pytest.raises(RuntimeError, match="the optimizer was set up by jamp.initialize "
+                                           "already: an optimizer is passed through initialize "
+                                           "once"):
         jamp.initialize(other, optimizer, opt_level="O2", verbosity=0)
 
 
@@ -438,3 +443,26 @@ def test_nnx_objects_passed_to_the_model_are_the_callers():
     first, second = model(x, rngs), model(x, rngs)
     assert first.dtype == F32 and not np.array_equal(first, second)   # a new mask each call
     assert int(rngs.dropout.count[...]) == 2    # the caller's Rngs advanced, not a cast copy
+
+
+def test_an_optimizer_with_multisteps_accumulates_under_the_loss_scale():
+    model = MLP(3, 2, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2),
+                              wrt=nnx.Param)
+    # A static scale, so that no micro-step of this toy loss overflows float16.
+    model, optimizer = jamp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0,
+                                       verbosity=0)
+    x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+
+    def scaled_loss(model):
+        return jamp.scale_loss(jnp.mean((model(x).astype(jnp.float32) - y) ** 2),
+                               optimizer.opt_state)
+
+    kernels = [np.asarray(model.out.kernel[...])]
+    for _ in range(3):
+        optimizer.update(model, nnx.grad(scaled_loss)(model))
+        kernels.append(np.asarray(model.out.kernel[...]))
+    moved = [not np.array_equal(a, b) for a, b in zip(kernels, kernels[1:])]
+    assert moved == [False, True, False]  # one update per two micro-steps
+    assert model.out.kernel.dtype == F16
+    assert jamp.state_dict(optimizer.opt_state)["loss_scaler0"]["unskipped"] == 3

@@ -71,6 +71,11 @@ def test_state_dict_layout():
     dyn = js.DynamicLossScale(jnp.float32(4.0))
     assert set(serialization.to_state_dict(dyn)) == {"loss_scale", "counter"}
     assert serialization.to_state_dict(js.StaticLossScale(jnp.float32(2.0))) == {}
+    counting = js.CountingStaticLossScale(jnp.float32(2.0), counter=jnp.int32(3))
+    assert serialization.to_state_dict(counting) == {"counter": 3}
+    restored = serialization.from_bytes(js.CountingStaticLossScale(jnp.float32(2.0)),
+                                        serialization.to_bytes(counting))
+    assert int(restored.counter) == 3 and float(restored.loss_scale) == 2.0
 
 
 def test_restore_keeps_dtypes_and_static_settings():

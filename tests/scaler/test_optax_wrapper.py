@@ -305,10 +305,13 @@ def test_loss_scale_spellings():
         ls = first(spelling)
         assert isinstance(ls, js.GradScalerState)
         assert float(ls.loss_scale) == 65536.0 and ls.growth_interval == 2000
-    assert first(128.0) == js.StaticLossScale(jnp.float32(128.0))
-    assert first("128.0") == js.StaticLossScale(jnp.float32(128.0))
-    assert first(np.float32(128.0)) == js.StaticLossScale(jnp.float32(128.0))
-    assert first(jnp.float32(128.0)) == js.StaticLossScale(jnp.float32(128.0))
+    for number in (128.0, "128.0", np.float32(128.0), jnp.float32(128.0)):
+        # A number is Apex's static scale, which counts its finite steps (state_dict's
+        # `unskipped`).
+        ls = first(number)
+        assert isinstance(ls, js.CountingStaticLossScale)
+        assert float(ls.loss_scale) == 128.0 and np.asarray(ls.loss_scale).dtype == np.float32
+        assert int(ls.counter) == 0
     assert isinstance(first(js.NoOpLossScale()), js.NoOpLossScale)
     dyn = js.DynamicLossScale(jnp.float32(4.0), period=5)
     got = first(dyn)

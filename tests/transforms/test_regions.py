@@ -126,3 +126,15 @@ def test_region_scope_name_is_visible_in_the_program():
 
     jaxpr = jax.make_jaxpr(f)(X, W)
     assert "jamp_autocast[enabled=0]" in str(jaxpr.jaxpr.eqns[0].source_info.name_stack)
+
+
+def test_a_mixed_dtype_matmul_written_in_a_disabled_region_keeps_its_promoted_result(variant):
+    # jnp.matmul of a bfloat16 and a float32 array computes in float32 (JAX's promotion, which
+    # lax.dot_general spells with a float32 result and the operands as they are).
+    def f(x, w):
+        with jamp.autocast(enabled=False):
+            return x.astype(jnp.bfloat16) @ w
+
+    out = variant(cpu(f))(X, W)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, f(X, W), rtol=1e-6)
