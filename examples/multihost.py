@@ -8,8 +8,9 @@ nothing more: the loss scaler's finiteness check and the master weights' update 
 one program, so every process makes the same skip decision and keeps the same loss scales.
 
 What is trained (`--amp`): `jamp.initialize(model.apply, variables, optax.adamw(lr),
-opt_level="O2")` (float16 params, float32 master weights, Apex's dynamic loss scale), or the
-model under `jamp.autocast(dtype=jnp.bfloat16)` with a `loss_scaled` AdamW (the demo's last run).
+opt_level="O2")` (float16 params, float32 master weights, Apex's dynamic loss scale; or another
+opt level), or the model under `jamp.autocast(dtype=jnp.bfloat16)` with a `loss_scaled` AdamW
+(the demo's last run).
 The loss is the next-byte cross-entropy plus a small z-loss (the square of the logits' log
 normalizer, which keeps them from drifting); `--num-losses 2` gives each its own loss scale
 (Apex's `num_losses`). `--state fsdp` shards the params, the master weights and the optimizer
@@ -92,8 +93,9 @@ def setup(args, mesh) -> tuple[Callable, optax.GradientTransformation, dict, Any
     sample = np.zeros((1, args.seq), np.int32)
     variables = jax.jit(model.init)(jax.random.key(args.seed), sample)
     adamw = optax.adamw(args.lr)
-    if args.amp == "O2":
-        apply_fn, variables, tx = jamp.initialize(model.apply, variables, adamw, opt_level="O2",
+    if args.amp != "autocast":
+        apply_fn, variables, tx = jamp.initialize(model.apply, variables, adamw,
+                                                  opt_level=args.amp,
                                                   num_losses=args.num_losses, verbosity=0)
     else:
         apply_fn = jamp.autocast(model.apply, dtype=jnp.bfloat16)
@@ -328,7 +330,9 @@ def _step_and_index(text: str) -> tuple[int, int | None]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     run = parser.add_argument_group("training")
-    run.add_argument("--amp", choices=("O2", "autocast"), default="O2")
+    run.add_argument("--amp", choices=("O0", "O1", "O2", "O3", "autocast"), default="O2",
+                     help="an opt level of jamp.initialize, or autocast (bfloat16) with a "
+                          "loss_scaled AdamW")
     run.add_argument("--num-losses", type=int, choices=(1, 2), default=1,
                      help="2: the next-byte loss and the z-loss each with its own loss scale")
     run.add_argument("--state", choices=("replicated", "fsdp"), default="replicated",
