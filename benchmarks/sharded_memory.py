@@ -35,7 +35,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 TARGET = 1 / 8 * 1.05
 _ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
-_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "s32": 4}
 
 
 def device_bytes(tree, device) -> int:
@@ -49,7 +48,8 @@ def all_gather_bytes(compiled_text: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for kind, dims in _ALL_GATHER.findall(compiled_text):
         size = int(np.prod([int(d) for d in dims.split(",") if d]))
-        found[kind] = found.get(kind, 0) + size * _BYTES[kind]
+        itemsize = 1 if kind == "pred" else int(re.sub(r"\D", "", kind)) // 8  # bf16 -> 2
+        found[kind] = found.get(kind, 0) + size * itemsize
     return found
 
 
