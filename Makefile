@@ -13,7 +13,7 @@ $(VENV)/.installed-core: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-core
-	$(PIP) install -e '.[test,examples]'
+	$(PIP) install -e '.[test,examples,checkpoint]'
 	# test-only oracle; the CPU wheel of this version is what the test machines carry
 	$(PIP) install 'torch==2.13.0' || echo "torch oracle not installed: parity tests will be skipped"
 	touch $@
@@ -28,7 +28,7 @@ test: $(VENV)/.installed-test
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
 	$(PIP) install -e '.[bench]'
-	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py
+	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
