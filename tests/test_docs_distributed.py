@@ -15,6 +15,7 @@ from helpers import assert_trees_equal
 DOC = pathlib.Path(__file__).parents[1] / "docs" / "distributed.md"
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+pytest.importorskip("orbax.checkpoint")  # the `checkpoint` extra: the document saves with it
 
 
 def _data_parallel(ns):

@@ -11,6 +11,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +19,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import multihost  # noqa: E402
+
+pytest.importorskip("orbax.checkpoint")  # the `checkpoint` extra: the runs save checkpoints
 
 STEPS, BAD_STEP, BAD_ROW = 6, 3, 7
 RUN = ["--steps", str(STEPS), "--batch", "8", "--seq", "16", "--width", "32", "--depth", "1",
@@ -148,3 +151,17 @@ def test_killed_after_a_checkpoint_resumes_bit_identically(tmp_path, processes, 
         assert 2 <= restarted_at <= crash_at
         assert_same_run(r["steps"], r["final"], ref_steps, ref_final, from_step=restarted_at)
     assert ref_final["skipped"] == 1
+
+
+def test_autocast_with_the_state_sharded_over_the_devices(tmp_path):
+    result = multihost.main(RUN[:10] + ["--steps", "2", "--amp", "autocast", "--state", "fsdp",
+                                        "--growth-interval", "1"])
+    state = result["state"]
+    arrays = [x for x in jax.tree_util.tree_leaves(state) if x.ndim]
+    # Every param and Adam moment is split over the 8 devices (the float32 params are their
+    # own masters under autocast), and stayed so through the steps.
+    assert arrays and all(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+                          for x in arrays)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state["params"])} == {np.dtype("float32")}
+    # Two finite steps, the scale doubling after each (growth interval 1) from 2**15.
+    assert result["skipped"] == 0 and result["scales"] == [2.0**17]

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -15,6 +14,8 @@ import jamp
 from jamp.frontend.checkpoint import check_checkpoint_layout, checkpoint_layout
 
 from helpers import assert_trees_equal
+
+ocp = pytest.importorskip("orbax.checkpoint")  # the `checkpoint` extra
 
 # The second loss's grads are infinite at these steps: a skip and a back-off of its scale.
 FAULTS = [1.0, 1.0, np.inf, 1.0, 1.0, np.inf, 1.0, 1.0]
