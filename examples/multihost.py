@@ -10,11 +10,10 @@ one program, so every process makes the same skip decision and keeps the same lo
 What is trained (`--amp`): `jamp.initialize(model.apply, variables, optax.adamw(lr),
 opt_level="O2")` (float16 params, float32 master weights, Apex's dynamic loss scale; or another
 opt level), or the model under `jamp.autocast(dtype=jnp.bfloat16)` with a `loss_scaled` AdamW
-(the demo's last run).
-The loss is the next-byte cross-entropy plus a small z-loss (the square of the logits' log
-normalizer, which keeps them from drifting); `--num-losses 2` gives each its own loss scale
-(Apex's `num_losses`). `--state fsdp` shards the params, the master weights and the optimizer
-moments over the "data" axis (FSDP) instead of replicating them.
+(the demo's last run). The loss is the next-byte cross-entropy plus a small z-loss (the square
+of the logits' log normalizer, which keeps them from drifting); `--num-losses 2` gives each its
+own loss scale (Apex's `num_losses`). `--state fsdp` shards the params, the master weights and
+the optimizer moments over the "data" axis (FSDP) instead of replicating them.
 
 Each process hands JAX only its part of the data, through `jax.make_array_from_process_local_data`.
 The batch of a step depends on the step alone, so a run that resumes from a checkpoint
@@ -32,10 +31,11 @@ Launch (docs/distributed.md has the details):
     # N processes on this machine, each with its own CPU devices (what the tests run)
     python examples/multihost.py --local-processes 2 --devices-per-process 4
 
-For the tests, two faults: `--inject-inf STEP:ROW` makes the loss weight of one window of the
-global batch infinite at that step (in the part of the process that holds that row), and `--crash-at STEP[:PROCESS]` makes that process
-(or each) kill itself with SIGKILL after that step (no clean-up, as when a host dies). `--report` writes what
-each process saw, step by step, as JSON lines.
+For the tests, two faults: `--inject-inf STEP:ROW` makes the loss weight of window ROW of the
+global batch infinite at step STEP (in the part of the process that holds that row), and
+`--crash-at STEP[:PROCESS]` makes that process (or each) kill itself with SIGKILL after that
+step, right after its checkpoint's save started (no clean-up, as when a host dies). `--report`
+writes what each process saw, step by step, as JSON lines.
 """
 
 from __future__ import annotations
