@@ -60,21 +60,27 @@ def checkpoint_layout(state: Any) -> dict[str, Any]:
       ({"['opt_state'].inner_state": ['GradScalerState']}, ["['opt_state']"], 'float16[3]')
     """
     state = plain_state(state)
-    is_amp = lambda x: isinstance(x, (LossScaledState, MasterWeightsState))
-    loss_scales, masters = {}, []
-    for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_amp)[0]:
-        where = jax.tree_util.keystr(path)
-        if isinstance(node, MasterWeightsState):
-            masters.append(where)
-            inner = checkpoint_layout(node.inner_state)
-            loss_scales.update({where + ".inner_state" + p: kinds
-                                for p, kinds in inner["loss_scales"].items()})
-        elif isinstance(node, LossScaledState):
-            scales = node.loss_scale if isinstance(node.loss_scale, tuple) else (node.loss_scale,)
-            loss_scales[where] = [type(s).__name__ for s in scales]
+    loss_scales, masters = _amp_parts(state, "")
     leaves = {jax.tree_util.keystr(path): _leaf_type(leaf)
               for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
     return {"loss_scales": loss_scales, "master_weights": masters, "leaves": leaves}
+
+
+def _amp_parts(tree: Any, prefix: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The kinds of the loss scales of each `loss_scaled` state in `tree`, and the paths of
+    the master weights, by path (each after `prefix`)."""
+    is_amp = lambda x: isinstance(x, (LossScaledState, MasterWeightsState))
+    loss_scales, masters = {}, []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_amp)[0]:
+        where = prefix + jax.tree_util.keystr(path)
+        if isinstance(node, MasterWeightsState):
+            inner_scales, inner_masters = _amp_parts(node.inner_state, where + ".inner_state")
+            loss_scales.update(inner_scales)
+            masters += [where, *inner_masters]
+        elif isinstance(node, LossScaledState):
+            scales = node.loss_scale if isinstance(node.loss_scale, tuple) else (node.loss_scale,)
+            loss_scales[where] = [type(s).__name__ for s in scales]
+    return loss_scales, masters
 
 
 def _leaf_type(leaf: Any) -> str:
@@ -229,7 +235,7 @@ def restore_checkpoint(manager: Any, target: Any, step: int | None = None) -> An
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
     try:
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    except ValueError:
+    except (ValueError, KeyError, TypeError):
         # orbax refused the tree: say in jamp's words what differs, if the layout tells.
         _check_saved_layout(manager, step, target)
         raise
