@@ -28,7 +28,7 @@ $(VENV)/.installed-core: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-core
-	$(PIP) install -e '.[test,examples]'
+	$(PIP) install -e '.[test,examples,checkpoint]'
 	$(if $(ORACLE),$(PIP) install '$(ORACLE)' \
 	    || echo "no $(ORACLE) for this Python: torch's parity tests will be skipped")
 	touch $@
@@ -43,7 +43,7 @@ test: $(VENV)/.installed-test
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
 	$(PIP) install -e '.[bench]'
-	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py
+	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py
 
 clean:
 	rm -rf .venv .venv-* build *.egg-info

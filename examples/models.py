@@ -43,8 +43,13 @@ class ByteGPT(nn.Module):
         return nn.Dense(256, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
-def next_byte_loss(logits, windows):
-    """Mean cross-entropy in nats of each next byte; `windows` holds inputs and targets."""
+def next_byte_loss(logits, windows, weights=None):
+    """Mean cross-entropy in nats of each next byte; `windows` holds inputs and targets.
+
+    `weights`, one per window, weigh each window's mean (a padding mask, say)."""
     targets = windows[:, 1:]
     logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    if weights is None:
+        return jnp.mean(nll)
+    return jnp.mean(jnp.mean(nll, axis=-1) * weights)

@@ -32,5 +32,15 @@ def batches(data: np.ndarray, batch_size: int, seq_len: int, seed: int):
     """An endless stream of random windows of `seq_len + 1` bytes, as int32 [batch, seq_len+1]."""
     rng = np.random.default_rng(seed)
     while True:
-        starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
-        yield np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+        yield _windows(data, batch_size, seq_len, rng)
+
+
+def batch_at(data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int) -> np.ndarray:
+    """The batch of step `step`, drawn from `seed` and `step` alone: a run that resumes at a
+    step reads the batches that an uninterrupted run reads there."""
+    return _windows(data, batch_size, seq_len, np.random.default_rng([seed, step]))
+
+
+def _windows(data: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator):
+    starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
+    return np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)

@@ -31,10 +31,14 @@ from jamp.transforms import autocast, custom_bwd, custom_fwd
 from jamp import autograd, frontend, profile
 from jamp.frontend import (
     MasterWeightsState,
+    checkpoint_from_bytes,
+    checkpoint_to_bytes,
     initialize,
     load_state_dict,
     master_params,
     master_weights,
+    restore_checkpoint,
+    save_checkpoint,
     scale_loss,
     state_dict,
 )

@@ -1,0 +1,167 @@
+"""examples/multihost.py as a real multi-process JAX job on this machine, and after a crash.
+
+Two processes with 4 CPU devices each (`jax.distributed` with a coordinator on 127.0.0.1 and
+gloo collectives) train the demo's model at O2 with two losses, each with its own loss scale,
+against the same run in this process on its 8 devices. At step 3 the loss weight of window 7 of
+the global batch, which the second process holds, is infinite. Then a process is killed with
+SIGKILL after a checkpoint, and the run resumes from the last checkpoint that was completed.
+"""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import multihost  # noqa: E402
+
+pytest.importorskip("orbax.checkpoint")  # the `checkpoint` extra: the runs save checkpoints
+
+STEPS, BAD_STEP, BAD_ROW = 6, 3, 7
+RUN = ["--steps", str(STEPS), "--batch", "8", "--seq", "16", "--width", "32", "--depth", "1",
+       "--num-losses", "2", "--inject-inf", f"{BAD_STEP}:{BAD_ROW}", "--checkpoint-every", "2",
+       "--log-every", str(STEPS)]
+# The one-process and two-process runs add the same float16 grads in another order (XLA's
+# all-reduce over 8 local devices, or 4 per process then across processes with gloo): their
+# losses part by about 3e-5 (relative) within these 6 steps. Decisions must be equal.
+LOSS_RTOL = 5e-4
+
+
+def records(path: pathlib.Path) -> tuple[dict[int, dict], dict]:
+    """The steps of a report (the last record of each step: a resumed run repeats some) and
+    its final record."""
+    steps, final = {}, None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("final"):
+            final = record
+        else:
+            steps[record["step"]] = record
+    return steps, final
+
+
+def in_process(tmp_path: pathlib.Path, name: str, *extra: str):
+    """The run in this pytest process, on its 8 devices; its report."""
+    report = tmp_path / f"{name}-{{process}}.jsonl"
+    multihost.main(RUN + ["--report", str(report), *extra])
+    return records(tmp_path / f"{name}-0.jsonl")
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory) -> dict[str, str]:
+    """JAX's persistent compilation cache for the processes these tests start: a job started
+    again (crashed, then resumed) loads the programs its first start compiled."""
+    return dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+def job(tmp_path: pathlib.Path, cache: dict, name: str, processes: int, *extra: str):
+    """The run as `processes` processes (8 devices in all); their exit codes and reports."""
+    report = tmp_path / f"{name}-{{process}}.jsonl"
+    results = multihost.run_local(RUN + ["--report", str(report), *extra], processes,
+                                  8 // processes, env=cache, timeout=300)
+    for i, r in enumerate(results):
+        path = tmp_path / f"{name}-{i}.jsonl"
+        r["steps"], r["final"] = records(path) if path.exists() else ({}, None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The uninterrupted run in one process (this one)."""
+    tmp = tmp_path_factory.mktemp("one")
+    return in_process(tmp, "one", "--checkpoint-dir", str(tmp / "checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, compilation_cache):
+    """The uninterrupted run as two processes of 4 devices."""
+    tmp = tmp_path_factory.mktemp("two")
+    return job(tmp, compilation_cache, "two", 2, "--checkpoint-dir", str(tmp / "checkpoints"))
+
+
+def assert_same_run(steps, final, reference_steps, reference_final, from_step=0):
+    for i in range(from_step, STEPS):
+        assert steps[i] == reference_steps[i], i
+    assert final == reference_final
+
+
+def test_two_processes_decide_as_one_and_as_one_process_does(two_processes, one_process):
+    ref_steps, ref_final = one_process
+    first, second = two_processes
+    assert first["returncode"] == second["returncode"] == 0, second["stderr"][-2000:]
+    # Every process saw the same losses, loss scales and skip decisions, and ends with the same
+    # params, float32 masters and optimizer state, bit for bit, in the copies it holds.
+    assert first["steps"] == second["steps"] and first["final"] == second["final"]
+    steps = first["steps"]
+    assert [steps[i]["applied"] for i in range(STEPS)] == [i != BAD_STEP for i in range(STEPS)]
+    assert not np.isfinite(steps[BAD_STEP]["loss"])
+    # Only the loss whose grads overflowed backs its scale off; the step is skipped for both.
+    assert steps[BAD_STEP]["scales"] == [65536.0, 65536.0]
+    assert steps[BAD_STEP + 1]["scales"] == [32768.0, 65536.0]
+    assert first["final"]["skipped"] == 1 and first["final"]["scales"] == [32768.0, 65536.0]
+    # Step for step as the one-process run on 8 devices: the same decisions and scales, the
+    # losses within the reordered float16 sums.
+    for i in range(STEPS):
+        mine, ref = steps[i], ref_steps[i]
+        assert (mine["scales"], mine["applied"], mine["skipped"]) == (
+            ref["scales"], ref["applied"], ref["skipped"]), i
+        np.testing.assert_allclose(mine["loss"], ref["loss"], rtol=LOSS_RTOL)
+    assert first["final"]["scales"] == ref_final["scales"]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_killed_after_a_checkpoint_resumes_bit_identically(tmp_path, processes, request,
+                                                           compilation_cache):
+    # Killed right after the asynchronous save of step 4 started: that checkpoint may or may
+    # not have been completed; the one of step 2 was.
+    crash_at = 4
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "checkpoints")]
+    if processes == 1:
+        ref_steps, ref_final = request.getfixturevalue("one_process")
+    else:
+        ref = request.getfixturevalue("two_processes")[0]
+        ref_steps, ref_final = ref["steps"], ref["final"]
+    crashed = job(tmp_path, compilation_cache, "crashed", processes, *checkpoints,
+                  "--crash-at", f"{crash_at}:{processes - 1}")
+    # The last process killed itself; the launcher ended the others, as a scheduler would.
+    assert crashed[-1]["returncode"] == -9
+    assert all(r["returncode"] != 0 and r["final"] is None for r in crashed)
+    steps = crashed[-1]["steps"]
+    assert sorted(steps) == list(range(crash_at))
+    assert all(steps[i] == ref_steps[i] for i in steps)
+
+    if processes == 1:
+        resumed_steps, resumed_final = in_process(tmp_path, "resumed", *checkpoints)
+        resumed = [dict(returncode=0, steps=resumed_steps, final=resumed_final)]
+    else:
+        resumed = job(tmp_path, compilation_cache, "resumed", processes, *checkpoints)
+    for r in resumed:
+        assert r["returncode"] == 0
+        # It started from the last complete checkpoint (step 2, or 4 if that save finished
+        # before the kill), not from scratch, and ran to the end: the same losses, loss
+        # scales, skipped step and final state as the uninterrupted run.
+        restarted_at = min(r["steps"])
+        assert 2 <= restarted_at <= crash_at
+        assert_same_run(r["steps"], r["final"], ref_steps, ref_final, from_step=restarted_at)
+    assert ref_final["skipped"] == 1
+
+
+def test_autocast_with_the_state_sharded_over_the_devices(tmp_path):
+    result = multihost.main(RUN[:10] + ["--steps", "2", "--amp", "autocast", "--state", "fsdp",
+                                        "--growth-interval", "1"])
+    state = result["state"]
+    arrays = [x for x in jax.tree_util.tree_leaves(state) if x.ndim]
+    # Every param and Adam moment is split over the 8 devices (the float32 params are their
+    # own masters under autocast), and stayed so through the steps.
+    assert arrays and all(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+                          for x in arrays)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state["params"])} == {np.dtype("float32")}
+    # Two finite steps, the scale doubling after each (growth interval 1) from 2**15.
+    assert result["skipped"] == 0 and result["scales"] == [2.0**17]
