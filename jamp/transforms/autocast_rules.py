@@ -19,16 +19,15 @@ import numpy as np
 
 from jamp.policy import primitives
 from jamp.policy.autocast_tables import (
-    ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
-from jamp.policy.dtypes import canonical_floating_dtype
+    ACCUMULATE_FP32, AUTOCAST_DTYPES, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table,
+    check_autocast_dtype)
 
 MARKER_PREFIX = "jamp_autocast"
 _MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"\[([^\]]*)\]")
 
 FLOAT32 = np.dtype(jnp.float32)
 # The dtypes autocast may cast from and to; float64 and float8 types are never touched.
-CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+CASTABLE = frozenset(np.dtype(d) for d in AUTOCAST_DTYPES)
 
 # Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
 # reduce/reduce_window bodies): they run in the traced dtypes. So do primitives whose params
@@ -67,26 +66,6 @@ class Region:
         """The state of a custom_vjp bwd: autocast off, ops in their inputs' types."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
                                    forward=self)
-
-
-def check_autocast_dtype(dtype) -> np.dtype:
-    """Validates an autocast dtype: float16, bfloat16 or float32.
-
-    Raises:
-      ValueError: naming the value and the accepted dtypes.
-    """
-    accepted = ", ".join(AUTOCAST_DTYPES)
-    try:
-        result = canonical_floating_dtype(dtype, "dtype")
-    except ValueError:
-        raise ValueError(
-            f"autocast dtype={dtype!r} is not a floating dtype autocast can use: expected one "
-            f"of {accepted}.") from None
-    if result.name not in AUTOCAST_DTYPES:
-        raise ValueError(
-            f"autocast dtype={dtype!r} is not supported: expected one of {accepted} "
-            "(float64 values are never cast by autocast).")
-    return result
 
 
 def marker(**fields) -> str:
