@@ -22,7 +22,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp.profile.table import format_memory
-from jamp.profile import scopes
+from jamp.transforms.rules import equation_path
 from jamp import _jax_internals as jx
 
 # The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
@@ -331,7 +331,7 @@ class _Tally:
 
     def walk(self, jaxpr, path: tuple[str, ...], times: int) -> None:
         for eqn in jaxpr.eqns:
-            here = scopes.module_path(path, jx.scope_names(eqn))
+            here = equation_path(eqn, path)
             bodies = list(jex_core.jaxprs_in_params(eqn.params))
             if bodies:  # a higher-order equation: its work is its bodies'
                 own = self.stats[("eqn", eqn.primitive.name, here, None)]
