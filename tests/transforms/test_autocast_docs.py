@@ -103,9 +103,22 @@ def test_regions_block(ns):
 def test_linen_blocks(ns):
     exec(block_with("cast_outputs=False)(variables, x)"), ns)
     assert ns["logits"].dtype in (BF16, F16)
-    exec(block_with('mutable=["batch_stats"]'), ns)
+    exec(block_with("jamp.autocast(model.apply, dtype=jnp.bfloat16)"), ns)
     assert ns["logits"].dtype == F32
     assert {u.dtype for u in jax.tree.leaves(ns["updates"])} == {F32}
+
+
+def test_precision_rules_blocks(ns):
+    exec(block_with('("BatchNorm_*", jnp.float32)'), ns)
+    dots = lambda fn, *args: [e.invars[0].aval.dtype for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
+                              if e.primitive.name == "dot_general"]
+    assert dots(ns["ruled"], ns["weights"], ns["x"]) == [F16, F32]
+    assert ns["stats"]["batch_stats"]["BatchNorm_0"]["mean"].dtype == F32
+    exec(block_with('("blocks/1", jnp.float32)'), ns)
+    assert ns["tower_out"].shape == (6, 4)
+    ns["tower"].eval()  # BatchNorm's statistics are not updated inside make_jaxpr's trace
+    low = jamp.policy.autocast_table(jax.default_backend()).default_dtype
+    assert dots(ns["tower_forward"], ns["x"]) == [low, F32]
 
 
 def test_nnx_state_block(ns):
