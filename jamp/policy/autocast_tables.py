@@ -33,10 +33,12 @@ The defaults follow torch's autocast op reference for each device, mapped to the
 - "tpu", bfloat16 by default: torch has no TPU list in core; this table uses the CUDA lists
   (as torch_xla does), with bfloat16.
 
-A table may also hold *function rules* (`OpTable.functions`): library functions whose kernel
-torch's lists name but that JAX writes as several primitives a jaxpr cannot tell from other code.
-autocast matches them by the function on each equation's traceback and runs what they compute
-with the setting given (see `jamp.autocast`'s `rules=`), after the user's own rules.
+A table also holds *function rules* (`OpTable.functions`): library functions whose kernel torch's
+lists name but that JAX writes as several primitives a jaxpr cannot tell from other code
+(`optax.ctc_loss`'s one-hot matmuls, `jnp.quantile`'s sort and interpolation, optax's losses left
+unreduced, `scalar / x`). autocast matches them by the function on each equation's traceback and
+runs what they compute with the setting given (see `jamp.autocast`'s `rules=`), after the
+user's own rules.
 
 Extend or override a table with `OpTable.updated` / `OpTable.without` and pass it to
 `jamp.autocast(..., op_table=...)`:
@@ -89,16 +91,17 @@ Setting = Union[str, np.dtype, "OpTable", "OpRules"]
 # trace to dot_general, so they lower as well (torch promotes `dot` and `tensordot`).
 _LOWER_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
-# torch CUDA float32 list -> primitives. pow/__pow__/__rpow__ -> pow (integer_pow and square, what
-# `x ** 3` and `x * x`-like powers trace to, are left to promotion: exact in the low dtype up to
-# rounding, and jax.nn.gelu is built on x ** 3, which torch runs as one low-precision op);
-# reciprocal/__rdiv__/__rtruediv__ on a tensor -> integer_pow(x, -1) or div (div is left to
-# promotion: it also implements ordinary division, which torch does not upcast); rsqrt; exp,
+# torch CUDA float32 list -> primitives. pow/__pow__/__rpow__/reciprocal -> pow and integer_pow
+# (what `x ** 2` and `jnp.reciprocal` trace to; jax.nn.gelu's tanh form is built on x ** 3, which
+# torch runs as one low-precision kernel: a function rule keeps it so); square (`jnp.square`) is
+# left to promotion; __rdiv__/__rtruediv__ on a tensor -> div, left to promotion (it also
+# implements ordinary division, which torch does not upcast; `scalar / x` is matched by a
+# function rule instead); rsqrt; exp,
 # expm1, log, log1p, log2, log10 (log + div); acos, asin, cosh, sinh, tan; erfinv; sum, prod,
 # cumsum, cumprod; softmax/log_softmax/layer_norm/group_norm/norm/normalize/losses are built from
 # these, so they run in float32 exactly where torch's do.
 _CUDA_FP32_OPS = (
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt",
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "rsqrt",
     "acos", "asin", "cosh", "sinh", "tan", "erf_inv",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 )
@@ -337,11 +340,40 @@ def _table(device_type: str, dtype, fp32_ops, accumulate_ops=(), statistics_ops=
     return OpTable(device_type, np.dtype(dtype), rules, scalar_results, functions)
 
 
+# Function rules: library functions whose kernel torch's lists name but that JAX writes as
+# several primitives, matched by the function on an equation's traceback.
+#
+# torch's float32 lists (CPU and CUDA) hold the losses, reduced or not: optax's losses compute
+# in float32 (a sum to one number, `scalar_results`, catches only the reduced ones; optax's CTC
+# alignment is one-hot matmuls, which would lower).
+_LOSS_FUNCTIONS = tuple((f"optax.losses.{name}", "float32") for name in (
+    "ctc_loss", "ctc_loss_with_forward_probs", "sigmoid_binary_cross_entropy",
+    "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels",
+    "safe_softmax_cross_entropy", "kl_divergence", "kl_divergence_with_log_targets",
+    "huber_loss", "squared_error", "l2_loss", "hinge_loss", "multiclass_hinge_loss",
+    "triplet_margin_loss"))
+# torch's CPU float32 list: quantile and nanquantile (a sort and an interpolation in JAX), the
+# reflection and replication pads (jnp.pad in any mode: a rule names a function, not its
+# arguments). cosine_similarity is on no CPU list, but torch's kernel promotes its inputs before
+# it computes: optax's runs as written, not on each input's own dtype.
+_CPU_FUNCTIONS = _LOSS_FUNCTIONS + (
+    ("jax.numpy.quantile", "float32"), ("jax.numpy.nanquantile", "float32"),
+    ("jax.numpy.pad", "float32"), ("optax.losses.cosine_similarity", OFF),
+)
+# torch's CUDA float32 list: __rtruediv__ (`scalar / x`: a `div`, which also implements
+# ordinary division) and cosine_similarity. jax.nn.gelu's tanh form is built on `x ** 3`, and
+# torch runs gelu as one low-precision kernel: there `integer_pow` follows its input.
+_CUDA_FUNCTIONS = (("jax.nn.gelu", OpRules.of({"integer_pow": None})),) + _LOSS_FUNCTIONS + (
+    ("jax.Array.__rtruediv__", "float32"), ("optax.losses.cosine_similarity", "float32"),
+)
+
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
-    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
+    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS,
+                   functions=_CUDA_FUNCTIONS),
     "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS, _NORM_STATISTICS_OPS,
-                  scalar_results=FP32),
-    "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
+                  scalar_results=FP32, functions=_CPU_FUNCTIONS),
+    "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS,
+                  functions=_CUDA_FUNCTIONS),
 })
 
 # Other names of a device type: "gpu" is what `jax.default_backend()` says on any GPU, and

@@ -18,21 +18,25 @@ from jax import lax
 import jamp
 from jamp.policy import FP32, autocast_table
 from jamp.transforms.nnx_scopes import named_calls
-from jamp.transforms.rules import Rule, equation_path, module_pattern
+from jamp.transforms.rules import Rule, equation_path, module_pattern, rule_set
 
 from helpers import BF16, F16, F32, rel_err
 
 
 def ops(fn, *args, **kwargs):
-    """(module path, primitive, input dtypes, output dtypes) of every floating equation of the
-    program `fn` traces to, sub-jaxprs included, each path as precision rules see it."""
+    """(module path, primitive, input dtypes, output dtypes) of every floating first-order
+    equation of the program `fn` traces to, in sub-jaxprs too, each path as precision rules see
+    it."""
     found = []
 
     def walk(jaxpr, outer):
         for eqn in jaxpr.eqns:
             path = equation_path(eqn, outer)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+            for sub in subs:
                 walk(getattr(sub, "jaxpr", sub), path)
+            if subs:
+                continue
             ins = tuple(np.dtype(v.aval.dtype) for v in eqn.invars
                         if jnp.issubdtype(v.aval.dtype, jnp.floating))
             outs = tuple(np.dtype(v.aval.dtype) for v in eqn.outvars
@@ -431,3 +435,40 @@ def test_a_planted_overflow_is_fixed_by_one_rule():
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
     found = ops(fixed, params, x)
     assert dtypes_of(found, "dot_general", outside="Scaled_0") == [(F16, F16)] * 2
+
+
+# -- the op tables' function rules ------------------------------------------------------------
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "tpu"])
+def test_every_table_function_rule_names_a_function(device_type):
+    table = autocast_table(device_type)
+    assert len(rule_set((), table).rules) == len(table.functions) > 0
+
+
+def test_unreduced_optax_losses_compute_in_float32():
+    # torch's float32 lists hold the losses, reduced or not (reduction="none").
+    y = (X > 0).astype(jnp.float32)
+    f = lambda x, w: optax.sigmoid_binary_cross_entropy(x @ w, y)
+
+    def below_float32(table):
+        found = ops(jamp.autocast(f, op_table=table, cast_outputs=False), X, W)
+        return {name for _, name, ins, _ in found if name not in ("dot_general",
+                "convert_element_type") and any(d != F32 for d in ins)}
+
+    assert below_float32(autocast_table("cpu")) == below_float32(autocast_table("cuda")) == set()
+    # Without the table's function rules, the cpu table computes its logs in bfloat16.
+    assert "log1p" in below_float32(dataclasses.replace(autocast_table("cpu"), functions=()))
+
+
+def test_table_function_rules_per_device():
+    low = lambda f, device: [o.dtype for o in jax.eval_shape(
+        jamp.autocast(f, device_type=device, cast_outputs=False), X, W)]
+    # cpu: quantiles, pads and cosine similarity as torch's CPU kernels return them.
+    cpu = lambda x, w: (jnp.quantile(x @ w, 0.3, axis=-1), jnp.pad(x @ w, 1, mode="edge"),
+                        optax.cosine_similarity(x @ w, x), x @ w)
+    assert low(cpu, "cpu") == [F32, F32, F32, BF16]
+    # cuda: powers, reciprocals and `scalar / x` in float32, but gelu's `x ** 3` and ordinary
+    # division stay in float16 as in torch.
+    cuda = lambda x, w: (jax.nn.gelu(x @ w), (x @ w) ** 2, jnp.reciprocal(x @ w),
+                         1.0 / (x @ w), (x @ w) / 2.0)
+    assert low(cuda, "cuda") == [F16, F32, F32, F32, F16]
