@@ -8,7 +8,8 @@ from typing import Any, Callable
 import jax
 
 from jamp._checks import check_bool
-from jamp.policy.autocast_tables import OpTable, autocast_table, canonical_device_type
+from jamp.policy.autocast_tables import (
+    OpTable, autocast_table, canonical_device_type, check_autocast_dtype)
 from jamp.transforms import autocast_rules
 from jamp.transforms import boundary, programs
 from jamp.transforms import rules as precision_rules
@@ -166,7 +167,7 @@ class AutocastRegion:
         self.device_type = canonical_device_type(device_type)
         self.table = op_table if op_table is not None else autocast_table(self.device_type)
         self._explicit_dtype = dtype is not None
-        self.dtype = (autocast_rules.check_autocast_dtype(dtype) if dtype is not None
+        self.dtype = (check_autocast_dtype(dtype) if dtype is not None
                       else self.table.default_dtype)
         self.enabled = enabled
         self.cache_enabled = cache_enabled

@@ -19,8 +19,7 @@ import numpy as np
 
 from jamp.policy import primitives
 from jamp.policy.autocast_tables import (
-    ACCUMULATE_FP32, AUTOCAST_DTYPES, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table,
-    check_autocast_dtype)
+    ACCUMULATE_FP32, AUTOCAST_DTYPES, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
 
 MARKER_PREFIX = "jamp_autocast"
 _MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"\[([^\]]*)\]")

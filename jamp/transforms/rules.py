@@ -141,6 +141,7 @@ def _glob(segments: tuple[str, ...], path: tuple[str, ...]) -> bool:
     return bool(path) and fnmatchcase(path[0], head) and _glob(rest, path[1:])
 
 
+@functools.lru_cache(maxsize=1024)
 def _resolved_codes(pattern: str) -> frozenset:
     """The code objects of the function, method or class methods a qualified name resolves to
     (empty when it resolves to none)."""
