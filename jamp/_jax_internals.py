@@ -476,6 +476,16 @@ def user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:
     return [(f.file_name, f.start_line, f.function_name) for f in frames][::-1]
 
 
+def traceback_code(eqn: JaxprEqn) -> tuple[Any, ...]:
+    """The code objects of the Python stack that created `eqn`, innermost first: JAX records
+    the frames from the function being traced inward (a `jax.jit` body's equations name the
+    jitted function and what it called, not its callers), keeps them on every equation and
+    copies them onto the equations that differentiate it. What precision rules naming a
+    function match (`jamp.transforms.rules`). Not public: `source_info` is an internal field."""
+    traceback = eqn.source_info.traceback
+    return () if traceback is None else tuple(traceback.raw_frames()[0])
+
+
 def source_key(eqn: JaxprEqn) -> int:
     """An identity for the Python stack that created `eqn`, shared with the equations that
     differentiate it (transposition re-enters the forward equation's traceback object)."""

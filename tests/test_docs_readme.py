@@ -68,12 +68,20 @@ def _profile(ns):
     assert ns["report"].flops == {"bfloat16": matmul_flops}
 
 
+def _rules(ns):
+    variables = ns["net"].init(jax.random.key(0), ns["images"])
+    jaxpr = jax.make_jaxpr(lambda v, x: ns["ruled"](v, x, train=False))(variables, ns["images"])
+    dots = [e.invars[0].aval.dtype for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots == [jnp.float16, jnp.float32] and ns["logits"].dtype == jnp.float32
+
+
 CHECKS = {
     "def step(": _tour,
     "jamp.get_policy(": _policy,
     "jamp.initialize(": _initialize,
     "jamp.properties(": _opt_levels,
     "jamp.autocast(enabled=False)": _region,
+    '("BatchNorm_*", jnp.float32)': _rules,
     "report = amp_report(step": _profile,
 }
 

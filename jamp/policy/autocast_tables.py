@@ -33,6 +33,13 @@ The defaults follow torch's autocast op reference for each device, mapped to the
 - "tpu", bfloat16 by default: torch has no TPU list in core; this table uses the CUDA lists
   (as torch_xla does), with bfloat16.
 
+A table also holds *function rules* (`OpTable.functions`): library functions whose kernel torch's
+lists name but that JAX writes as several primitives a jaxpr cannot tell from other code
+(`optax.ctc_loss`'s one-hot matmuls, `jnp.quantile`'s sort and interpolation, optax's losses left
+unreduced, `scalar / x`). autocast matches them by the function on each equation's traceback and
+runs what they compute with the setting given (see `jamp.autocast`'s `rules=`), after the
+user's own rules.
+
 Extend or override a table with `OpTable.updated` / `OpTable.without` and pass it to
 `jamp.autocast(..., op_table=...)`:
 
@@ -47,6 +54,7 @@ and `dtypes` (the floating dtypes a rule or a default may name).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Union
 
@@ -68,22 +76,32 @@ RULES = (LOWER, FP32, ACCUMULATE_FP32, FP32_STATISTICS)
 
 Rule = Union[str, np.dtype]
 
+# What a precision rule (`jamp.autocast(..., rules=...)`, `OpTable.functions`) sets for the
+# equations it matches: a dtype autocast can use, `OFF` (autocast off: the program's own
+# dtypes), `ON` (the transform's own dtype and table, no rule: an exception carved out of a
+# wider rule), an `OpTable`, or op rules to change in the table that applies (`OpRules`).
+OFF = "off"
+ON = "on"
+AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+Setting = Union[str, np.dtype, "OpTable", "OpRules"]
+
 # torch: __matmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul multi_dot mm mv linear matmul
 # prelu (its matmul), conv*/conv_transpose*, RNN cells (their matmuls); scaled_dot_product_attention
 # and multi-head attention are matmuls too. jnp.dot, tensordot, einsum, inner, vdot and outer all
 # trace to dot_general, so they lower as well (torch promotes `dot` and `tensordot`).
 _LOWER_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
-# torch CUDA float32 list -> primitives. pow/__pow__/__rpow__ -> pow (integer_pow and square, what
-# `x ** 3` and `x * x`-like powers trace to, are left to promotion: exact in the low dtype up to
-# rounding, and jax.nn.gelu is built on x ** 3, which torch runs as one low-precision op);
-# reciprocal/__rdiv__/__rtruediv__ on a tensor -> integer_pow(x, -1) or div (div is left to
-# promotion: it also implements ordinary division, which torch does not upcast); rsqrt; exp,
+# torch CUDA float32 list -> primitives. pow/__pow__/__rpow__/reciprocal -> pow and integer_pow
+# (what `x ** 2` and `jnp.reciprocal` trace to; jax.nn.gelu's tanh form is built on x ** 3, which
+# torch runs as one low-precision kernel: a function rule keeps it so); square (`jnp.square`) is
+# left to promotion; __rdiv__/__rtruediv__ on a tensor -> div, left to promotion (it also
+# implements ordinary division, which torch does not upcast; `scalar / x` is matched by a
+# function rule instead); rsqrt; exp,
 # expm1, log, log1p, log2, log10 (log + div); acos, asin, cosh, sinh, tan; erfinv; sum, prod,
 # cumsum, cumprod; softmax/log_softmax/layer_norm/group_norm/norm/normalize/losses are built from
 # these, so they run in float32 exactly where torch's do.
 _CUDA_FP32_OPS = (
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt",
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "rsqrt",
     "acos", "asin", "cosh", "sinh", "tan", "erf_inv",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 )
@@ -132,12 +150,18 @@ class OpTable:
         A product of two vectors to one number (a `dot_general` with a rank-0 result: torch's
         `dot`, `vdot`, `inner`, which are on no list) is no matrix product: `LOWER` does not
         apply to it, and it runs in its inputs' dtypes.
+      functions: function rules, `(qualified function name, setting)` pairs in order (see
+        `check_setting` for the settings): what the equations traced inside that function
+        compute with, whatever the primitives' rules say. autocast applies them after the
+        rules the user passes to `jamp.autocast(..., rules=...)`. A name that does not resolve
+        in the running versions of the libraries is skipped.
     """
 
     device_type: str
     default_dtype: np.dtype
     rules: Mapping[str, Rule]
     scalar_results: Rule | None = None
+    functions: tuple[tuple[str, Setting], ...] = ()
 
     def __post_init__(self):
         given = dict(self.rules)
@@ -151,8 +175,10 @@ class OpTable:
         if self.scalar_results is not None:
             object.__setattr__(self, "scalar_results",
                                _check_rule("scalar_results", self.scalar_results))
+        object.__setattr__(self, "functions", _check_functions(self.functions))
         object.__setattr__(self, "_hash", hash((self.device_type, self.default_dtype, tuple(
-            sorted((k, str(v)) for k, v in checked.items())), str(self.scalar_results))))
+            sorted((k, str(v)) for k, v in checked.items())), str(self.scalar_results),
+            self.functions)))
 
     def rule(self, primitive_name: str, scalar_result: bool = False) -> Rule | None:
         """The rule of a primitive, or None when it runs in its inputs' widest floating dtype.
@@ -183,8 +209,9 @@ class OpTable:
 
     def __eq__(self, other):
         return self is other or isinstance(other, OpTable) and self._hash == other._hash and (
-            self.device_type, self.default_dtype, dict(self.rules), self.scalar_results) == (
-            other.device_type, other.default_dtype, dict(other.rules), other.scalar_results)
+            self.device_type, self.default_dtype, dict(self.rules), self.scalar_results,
+            self.functions) == (other.device_type, other.default_dtype, dict(other.rules),
+                                other.scalar_results, other.functions)
 
 
 def _primitive_name(key) -> str:
@@ -222,19 +249,131 @@ def _check_rule(name: str, rule: Rule) -> Rule:
             "floating dtype.") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class OpRules:
+    """A precision rule's changes to the op table that applies where it matches, given as a
+    dict `{primitive name: rule}` (a rule of `RULES`, a floating dtype, or None to drop the
+    primitive from the table, so that it follows its inputs).
+
+    Attributes:
+      changes: the (primitive name, rule or None) pairs, sorted by name.
+    """
+
+    changes: tuple[tuple[str, Rule | None], ...]
+
+    @classmethod
+    def of(cls, rules: Mapping[Any, Any]) -> "OpRules":
+        _check_names(rules)
+        return cls(tuple(sorted(
+            (_primitive_name(name), None if rule is None else _check_rule(name, rule))
+            for name, rule in rules.items())))
+
+    def applied_to(self, table: "OpTable") -> "OpTable":
+        return _applied(self, table)
+
+
+@functools.lru_cache(maxsize=256)
+def _applied(rules: OpRules, table: "OpTable") -> "OpTable":
+    dropped = [name for name, rule in rules.changes if rule is None]
+    return table.updated({name: rule for name, rule in rules.changes if rule is not None}
+                         ).without(*dropped)
+
+
+def check_autocast_dtype(dtype) -> np.dtype:
+    """Validates an autocast dtype: float16, bfloat16 or float32.
+
+    Raises:
+      ValueError: naming the value and the accepted dtypes.
+    """
+    accepted = ", ".join(AUTOCAST_DTYPES)
+    try:
+        result = canonical_floating_dtype(dtype, "dtype")
+    except ValueError:
+        raise ValueError(
+            f"autocast dtype={dtype!r} is not a floating dtype autocast can use: expected one "
+            f"of {accepted}.") from None
+    if result.name not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"autocast dtype={dtype!r} is not supported: expected one of {accepted} "
+            "(float64 values are never cast by autocast).")
+    return result
+
+
+def check_setting(setting: Any, rule: Any) -> Setting:
+    """Validates what a precision rule sets: a dtype autocast can use (any spelling, returned as
+    a numpy dtype), "off", "on", an `OpTable`, or a dict of op rules (returned as `OpRules`).
+
+    Raises:
+      ValueError: naming the rule, the value and the accepted forms (a dict's bad primitive
+        name or rule as `OpTable` names them).
+    """
+    if isinstance(setting, (OpTable, OpRules)) or (isinstance(setting, str)
+                                                   and setting in (OFF, ON)):
+        return setting
+    if isinstance(setting, Mapping):
+        return OpRules.of(setting)
+    try:
+        return check_autocast_dtype(setting)
+    except ValueError:
+        raise ValueError(
+            f"Precision rule {rule!r} sets {setting!r}: expected a dtype autocast can use "
+            f"({', '.join(AUTOCAST_DTYPES)}), {OFF!r} (autocast off: the program's own "
+            f"dtypes), {ON!r} (the transform's own dtype and op table), a "
+            "jamp.policy.OpTable, or a dict of op rules to change in the table "
+            "({'exp': FP32}).") from None
+
+
+def _check_functions(functions) -> tuple[tuple[str, Setting], ...]:
+    pairs = tuple(map(tuple, functions))
+    for pair in pairs:
+        if len(pair) != 2 or not isinstance(pair[0], str):
+            raise TypeError(f"OpTable functions are (qualified function name, setting) pairs; "
+                            f"got {pair!r}.")
+    return tuple((name, check_setting(setting, (name, setting))) for name, setting in pairs)
+
+
 def _table(device_type: str, dtype, fp32_ops, accumulate_ops=(), statistics_ops=(),
-           scalar_results=None) -> OpTable:
+           scalar_results=None, functions=()) -> OpTable:
     rules = {**{name: LOWER for name in _LOWER_OPS}, **{name: FP32 for name in fp32_ops},
              **{name: ACCUMULATE_FP32 for name in accumulate_ops},
              **{name: FP32_STATISTICS for name in statistics_ops}}
-    return OpTable(device_type, np.dtype(dtype), rules, scalar_results)
+    return OpTable(device_type, np.dtype(dtype), rules, scalar_results, functions)
 
+
+# Function rules: library functions whose kernel torch's lists name but that JAX writes as
+# several primitives, matched by the function on an equation's traceback.
+#
+# torch's float32 lists (CPU and CUDA) hold the losses, reduced or not: optax's losses compute
+# in float32 (a sum to one number, `scalar_results`, catches only the reduced ones; optax's CTC
+# alignment is one-hot matmuls, which would lower).
+_LOSS_FUNCTIONS = tuple((f"optax.losses.{name}", "float32") for name in (
+    "ctc_loss", "ctc_loss_with_forward_probs", "sigmoid_binary_cross_entropy",
+    "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels",
+    "safe_softmax_cross_entropy", "kl_divergence", "kl_divergence_with_log_targets",
+    "huber_loss", "squared_error", "l2_loss", "hinge_loss", "multiclass_hinge_loss",
+    "triplet_margin_loss"))
+# torch's CPU float32 list: quantile and nanquantile (a sort and an interpolation in JAX), the
+# reflection and replication pads (jnp.pad in any mode: a rule names a function, not its
+# arguments). cosine_similarity is on no CPU list, but torch's kernel promotes its inputs before
+# it computes: optax's runs as written, not on each input's own dtype.
+_CPU_FUNCTIONS = _LOSS_FUNCTIONS + (
+    ("jax.numpy.quantile", "float32"), ("jax.numpy.nanquantile", "float32"),
+    ("jax.numpy.pad", "float32"), ("optax.losses.cosine_similarity", OFF),
+)
+# torch's CUDA float32 list: __rtruediv__ (`scalar / x`: a `div`, which also implements
+# ordinary division) and cosine_similarity. jax.nn.gelu's tanh form is built on `x ** 3`, and
+# torch runs gelu as one low-precision kernel: there `integer_pow` follows its input.
+_CUDA_FUNCTIONS = (("jax.nn.gelu", OpRules.of({"integer_pow": None})),) + _LOSS_FUNCTIONS + (
+    ("jax.Array.__rtruediv__", "float32"), ("optax.losses.cosine_similarity", "float32"),
+)
 
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
-    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
+    "cuda": _table("cuda", jnp.float16, _CUDA_FP32_OPS + _LINALG_FFT_OPS,
+                   functions=_CUDA_FUNCTIONS),
     "cpu": _table("cpu", jnp.bfloat16, _CPU_FP32_OPS, _CPU_ACCUMULATE_OPS, _NORM_STATISTICS_OPS,
-                  scalar_results=FP32),
-    "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS),
+                  scalar_results=FP32, functions=_CPU_FUNCTIONS),
+    "tpu": _table("tpu", jnp.bfloat16, _CUDA_FP32_OPS + _LINALG_FFT_OPS,
+                  functions=_CUDA_FUNCTIONS),
 })
 
 # Other names of a device type: "gpu" is what `jax.default_backend()` says on any GPU, and

@@ -18,7 +18,7 @@ import re
 from typing import Iterable, Sequence
 
 
-from jamp.profile import scopes
+from jamp.transforms.rules import module_path
 from jamp import _jax_internals as jx
 
 # HLO element types by their text names; `pred` is a bool, the rest are numeric.
@@ -343,7 +343,7 @@ def parse_module(text: str, name: str = "") -> Program:
             attributes=attributes, computation=computation)
         names = scope_names(_quoted(attributes, "op_name") or "")
         instruction.scope = "/".join(names)
-        instruction.module_hierarchy = "/".join(scopes.module_path((), names))
+        instruction.module_hierarchy = "/".join(module_path((), names))
         instruction.stack = frames.stack(attributes)
         instructions[instruction.name] = instruction
     types = {i.name: i.results for i in instructions.values()}

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from jamp.profile import scopes, stablehlo_converts
+from jamp.profile import stablehlo_converts
+from jamp.transforms.rules import equation_path
 from jamp import _jax_internals as jx
 
 # The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
@@ -81,7 +82,7 @@ class Tally:
         modules `path`."""
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            here = scopes.module_path(path, jx.scope_names(eqn))
+            here = equation_path(eqn, path)
             bodies = jx.bodies(eqn)
             if bodies:  # a higher-order equation: its work is its bodies'
                 own = self.stats[("eqn", name, here, None)]

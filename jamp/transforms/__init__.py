@@ -1,5 +1,6 @@
 """Autocast (the jaxpr interpreter, its rules and dataflow, the function boundary and the
-program cache) and `custom_fwd`/`custom_bwd`.
+program cache), its precision rules by module path and function (`rules`, with NNX calls named
+by graph path in `nnx_scopes`) and `custom_fwd`/`custom_bwd`.
 
 The op tables autocast reads live in `jamp.policy` (`OpTable`, `autocast_table`, ...); the
 torch.autograd tools are in `jamp.autograd`.

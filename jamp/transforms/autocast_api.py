@@ -8,9 +8,11 @@ from typing import Any, Callable
 import jax
 
 from jamp._checks import check_bool
-from jamp.policy.autocast_tables import OpTable, autocast_table, canonical_device_type
-from jamp.transforms import autocast_rules as rules
+from jamp.policy.autocast_tables import (
+    OpTable, autocast_table, canonical_device_type, check_autocast_dtype)
+from jamp.transforms import autocast_rules
 from jamp.transforms import boundary, programs
+from jamp.transforms import rules as precision_rules
 
 
 def autocast(
@@ -22,6 +24,7 @@ def autocast(
     cache_enabled: bool | None = None,
     op_table: OpTable | None = None,
     cast_outputs: bool = True,
+    rules: Any = None,
 ):
     """torch.autocast for JAX: runs `fn` with each op in the dtype its device's table says.
 
@@ -62,6 +65,17 @@ def autocast(
       op_table: a custom `OpTable` (see `jamp.policy.autocast_table(...).updated(...)`).
       cast_outputs: True (default) returns outputs in the dtypes `fn` returns; False keeps the
         dtypes autocast computed them in (e.g. bfloat16 logits), torch's behaviour.
+      rules: precision rules, `[(pattern, setting), ...]`, tried in order before the op
+        table's own function rules; the first that matches an equation decides it. A pattern
+        is a glob over module paths (Flax linen's `Net/BatchNorm_0`, `jax.named_scope` names,
+        NNX modules by graph path: `"BatchNorm_*"`, `"/Net/Dense_0"` from the top, `"**"` for
+        all) or the qualified name of a Python function or class (`"optax.ctc_loss"`,
+        `"flax.nnx.BatchNorm"`). A setting is a dtype (`jnp.float32`: the module computes in
+        it, its matmuls too, and reads the activations autocast lowered before it in it),
+        `"off"` (autocast off: the program's own dtypes), `"on"` (the transform's dtype and
+        table, no rule) or an `OpTable`. Regions opened inside a matched module nest inside
+        it. A rule that decides no equation when `fn` is traced is an error. See
+        `jamp.transforms.rules`.
 
     Raises:
       ValueError: for an unknown `device_type` or a `dtype` that is not float16, bfloat16 or
@@ -69,7 +83,8 @@ def autocast(
       TypeError: for a first argument that is neither a function nor a device type string, a
         device type given both ways, a device type that is not a string, or an `enabled`,
         `cache_enabled` or `cast_outputs` that is not a bool (the string "False" is refused,
-        not read as true).
+        not read as true); for `rules` that are not (pattern, setting) pairs.
+      ValueError (when `fn` is traced): for a rule that decides no equation, naming it.
 
     Example:
       >>> import jax, jax.numpy as jnp, jamp
@@ -79,6 +94,21 @@ def autocast(
       >>> w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
       >>> grads = jax.jit(jax.grad(loss))(w, x)  # the matmuls ran in bfloat16
       >>> grads.dtype  # grads come back in the params' dtype
+      dtype('float32')
+
+      Rules: BatchNorm kept in float32, one Dense forced to float32 (float16 elsewhere):
+
+      >>> import flax.linen as nn
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         x = nn.BatchNorm(use_running_average=True)(nn.Dense(4)(x))
+      ...         return nn.Dense(2)(x)
+      >>> net, x = Net(), jnp.ones((3, 4))
+      >>> variables = net.init(jax.random.key(0), x)
+      >>> apply = jamp.autocast(net.apply, device_type="cuda", cast_outputs=False,
+      ...                       rules=[("BatchNorm_*", jnp.float32), ("Dense_1", "float32")])
+      >>> apply(variables, x).dtype
       dtype('float32')
     """
     if isinstance(fn, str):  # torch.autocast("cuda", torch.float16, ...)
@@ -101,7 +131,7 @@ def autocast(
             f"string such as 'cuda' (torch's form); got {fn!r} of type {type(fn).__name__}.")
     region = AutocastRegion(device_type=device_type, dtype=dtype, enabled=enabled,
                             cache_enabled=cache_enabled, op_table=op_table,
-                            cast_outputs=cast_outputs)
+                            cast_outputs=cast_outputs, rules=rules)
     return region if fn is None else region(fn)
 
 
@@ -126,7 +156,7 @@ class AutocastRegion:
     and a context manager (a region inside a transformed function)."""
 
     def __init__(self, *, device_type=None, dtype=None, enabled=True, cache_enabled=None,
-                 op_table=None, cast_outputs=True):
+                 op_table=None, cast_outputs=True, rules=None):
         enabled = check_bool("enabled", enabled)
         cast_outputs = check_bool("cast_outputs", cast_outputs)
         cache_enabled = True if cache_enabled is None else check_bool("cache_enabled",
@@ -137,12 +167,13 @@ class AutocastRegion:
         self.device_type = canonical_device_type(device_type)
         self.table = op_table if op_table is not None else autocast_table(self.device_type)
         self._explicit_dtype = dtype is not None
-        self.dtype = (rules.check_autocast_dtype(dtype) if dtype is not None
+        self.dtype = (check_autocast_dtype(dtype) if dtype is not None
                       else self.table.default_dtype)
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.cast_outputs = cast_outputs
         self._custom_table = op_table is not None
+        self._rules = precision_rules.checked_rules(rules)
         self._scopes: list = []
 
     def __repr__(self):
@@ -152,15 +183,16 @@ class AutocastRegion:
     @property
     def scope_name(self) -> str:
         """The `jax.named_scope` name that marks this region in a traced program."""
-        return rules.marker(
+        return autocast_rules.marker(
             enabled=self.enabled,
             device=self.device_type if self._explicit_device else None,
             dtype=self.dtype if self._explicit_dtype else None)
 
     def __enter__(self):
-        if self._custom_table:
+        if self._custom_table or self._rules:
+            given = "op_table applies" if self._custom_table else "rules apply"
             raise ValueError(
-                "op_table applies to a transform (jamp.autocast(fn, op_table=...)); a region "
+                f"{given} to a transform (jamp.autocast(fn, {given.split()[0]}=...)); a region "
                 "(`with jamp.autocast(...)`) sets only enabled, dtype and device_type.")
         scope = jax.named_scope(self.scope_name)
         scope.__enter__()
@@ -181,7 +213,9 @@ class AutocastRegion:
                     return fn(*args, **kwargs)
             return disabled
 
-        region = rules.Region(enabled=True, dtype=self.dtype, table=self.table)
+        region = precision_rules.with_rules(
+            autocast_rules.Region(enabled=True, dtype=self.dtype, table=self.table),
+            precision_rules.rule_set(self._rules, self.table))
         settings = (region, self.cache_enabled, self.cast_outputs)
 
         @functools.wraps(fn)

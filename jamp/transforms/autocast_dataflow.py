@@ -34,8 +34,8 @@ from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, 
 from jamp.policy.primitives import CHAIN, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SUMS
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
-from jamp.transforms.autocast_rules import (
-    Region, apply_markers, is_castable, is_floating, parse_markers)
+from jamp.transforms.autocast_rules import Region, is_castable, is_floating
+from jamp.transforms.rules import region_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ def _starts_in_body(eqn, region: Region) -> tuple[bool, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _body_starts(body: jx.Jaxpr, region: Region) -> tuple[bool, ...]:
-    regions = [apply_markers(region, parse_markers(str(jx.name_stack(e)))) for e in body.eqns]
+    regions = [region_of(region, e) for e in body.eqns]
     return _chains(body, regions)[1]
 
 

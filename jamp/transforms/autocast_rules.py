@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from jamp.policy import primitives
 from jamp.policy.autocast_tables import (
-    ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
-from jamp.policy.dtypes import canonical_floating_dtype
+    ACCUMULATE_FP32, AUTOCAST_DTYPES, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
 
 MARKER_PREFIX = "jamp_autocast"
 _MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"\[([^\]]*)\]")
 
 FLOAT32 = np.dtype(jnp.float32)
 # The dtypes autocast may cast from and to; float64 and float8 types are never touched.
-CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+CASTABLE = frozenset(np.dtype(d) for d in AUTOCAST_DTYPES)
 
 # Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
 # reduce/reduce_window bodies): they run in the traced dtypes. So do primitives whose params
@@ -54,6 +52,10 @@ class Region:
       as_is: see `enabled`.
       cast_inputs: inside `custom_fwd(cast_inputs=...)`, the dtype its inputs are cast to.
       forward: for a custom_vjp bwd, the region of its forward (restored by `custom_bwd`).
+      entry_dtype: inside a module a precision rule sets to a dtype: values autocast lowered
+        to another dtype are read in this one (see `entered`).
+      scope: where the equations of a jaxpr evaluated in this region sit, as the precision
+        rules see it (`jamp.transforms.rules.Scope`); None without rules.
     """
 
     enabled: bool
@@ -62,31 +64,14 @@ class Region:
     as_is: bool = False
     cast_inputs: np.dtype | None = None
     forward: "Region | None" = None
+    entry_dtype: np.dtype | None = None
+    scope: Any = None
 
     def off_as_is(self) -> "Region":
-        """The state of a custom_vjp bwd: autocast off, ops in their inputs' types."""
+        """The state of a custom_vjp bwd: autocast off, ops in their inputs' types (no
+        precision rule applies inside, as no region does)."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
-                                   forward=self)
-
-
-def check_autocast_dtype(dtype) -> np.dtype:
-    """Validates an autocast dtype: float16, bfloat16 or float32.
-
-    Raises:
-      ValueError: naming the value and the accepted dtypes.
-    """
-    accepted = ", ".join(AUTOCAST_DTYPES)
-    try:
-        result = canonical_floating_dtype(dtype, "dtype")
-    except ValueError:
-        raise ValueError(
-            f"autocast dtype={dtype!r} is not a floating dtype autocast can use: expected one "
-            f"of {accepted}.") from None
-    if result.name not in AUTOCAST_DTYPES:
-        raise ValueError(
-            f"autocast dtype={dtype!r} is not supported: expected one of {accepted} "
-            "(float64 values are never cast by autocast).")
-    return result
+                                   forward=self, entry_dtype=None, scope=None)
 
 
 def marker(**fields) -> str:
@@ -130,6 +115,8 @@ def apply_markers(region: Region, markers) -> Region:
         if "enabled" in fields:
             changes["enabled"] = fields["enabled"] == "1"
             changes["as_is"] = fields.get("as_is") == "1"
+        if {"device", "dtype", "enabled"} & fields.keys():
+            changes["entry_dtype"] = None  # a region inside a ruled module sets its own
         if "cast_inputs" in fields:
             # Outside an enabled region custom_fwd is a no-op (torch).
             changes["cast_inputs"] = np.dtype(fields["cast_inputs"]) if region.enabled else None
@@ -197,6 +184,9 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     """
     castable = [o.castable for o in operands]
     traced = [o.traced for o in operands]
+    if region.enabled and region.entry_dtype is not None:
+        operands = [dataclasses.replace(o, current=entered(region, o.current, o.traced))
+                    if ok else o for o, ok in zip(operands, castable, strict=True)]
     if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
@@ -214,6 +204,18 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     # A constant the low dtype cannot represent saturates at its finite range (its nearest
     # value) in an op that passes it through; any other op computes in the constant's dtype.
     return _promote(operands, castable, saturate=primitive_name in primitives.SELECTIONS)
+
+
+def entered(region: Region, current: np.dtype, traced: np.dtype) -> np.dtype:
+    """The dtype a value is read in, inside a module a precision rule sets to a dtype
+    (`Region.entry_dtype`): a value autocast lowered (narrower than its traced dtype) is read in
+    the module's dtype, so that the module computes in it (a float32 rule reads the activations
+    lowered before it in float32). Values the program typed itself are read as they are."""
+    target = region.entry_dtype if region.enabled else None
+    if target is None or current == target or (
+            jnp.finfo(current).bits >= jnp.finfo(traced).bits):
+        return current
+    return target
 
 
 def overflows(constant: np.generic | None, dtype: np.dtype) -> bool:

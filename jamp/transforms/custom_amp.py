@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 from jax import lax
 
+from jamp.policy.autocast_tables import check_autocast_dtype
 from jamp.transforms import autocast_rules as rules
 
 
@@ -46,7 +47,7 @@ def custom_fwd(fwd: Callable | None = None, *, cast_inputs: Any = None):
         return functools.partial(custom_fwd, cast_inputs=cast_inputs)
     if cast_inputs is None:
         return fwd
-    dtype = rules.check_autocast_dtype(cast_inputs)
+    dtype = check_autocast_dtype(cast_inputs)
 
     @functools.wraps(fwd)
     def wrapper(*args, **kwargs):

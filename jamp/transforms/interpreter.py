@@ -46,6 +46,7 @@ from jamp.policy.autocast_tables import LOWER
 from jamp import _jax_internals as jx
 from jamp.transforms import autocast_dataflow as dataflow
 from jamp.transforms import autocast_rules as rules
+from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
 
 
@@ -57,10 +58,12 @@ class Context:
       cache_enabled: cast each value to each dtype once per jaxpr (torch's weight cache).
       jaxprs: transformed sub-jaxprs, keyed by (kind, sub-jaxpr, region, input types, constant
         inputs).
-      regions: the region of each (enclosing region, name stack).
+      regions: the region of each (enclosing region, name stack, function rules matched).
       plans: per (jaxpr, region), each equation's region and the equations that run in float32.
       substitutes: values to read in place of array literals, by the literal value's id
         (closed-over arrays passed afresh; see `programs`).
+      decided: the precision rules that decided some equation (indices into the transform's).
+      places: the (module path, function rules matched) of the equations seen with rules.
     """
 
     cache_enabled: bool = True
@@ -68,14 +71,22 @@ class Context:
     jaxprs: dict = dataclasses.field(default_factory=dict)
     regions: dict = dataclasses.field(default_factory=dict)
     plans: dict = dataclasses.field(default_factory=dict)
+    decided: set = dataclasses.field(default_factory=set)
+    places: set = dataclasses.field(default_factory=set)
 
     def region_for(self, region: Region, eqn) -> Region:
-        stack = jx.name_stack(eqn)
-        key = (region, stack)
+        scope = region.scope
+        functions = None if scope is None else scope.rules.functions_on(eqn)
+        key = (region, jx.name_stack(eqn), functions)
         found = self.regions.get(key)
         if found is None:
-            found = rules.apply_markers(region, rules.parse_markers(str(stack)))
-            self.regions[key] = found
+            location = precision_rules.locate(region, jx.scope_names(eqn),
+                                              functions or frozenset())
+            found = self.regions[key] = location.region
+            if scope is not None:
+                self.places.add((location.path, found.scope.functions))
+                if location.rule is not None:
+                    self.decided.add(location.rule)
         return found
 
     def plan(self, jaxpr: jx.Jaxpr, region: Region
@@ -140,16 +151,18 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
             else:
                 outs = _first_order(eqn, regions[i], frame, i in float32)
         if plan.exits:
-            outs = [_leave_kernel(frame, plan.exits[v], o) if v in plan.exits else o
-                    for v, o in zip(eqn.outvars, outs, strict=True)]
+            outs = [_leave_kernel(frame, plan.exits[v], o, regions[i]) if v in plan.exits
+                    else o for v, o in zip(eqn.outvars, outs, strict=True)]
         frame.env.update(zip(eqn.outvars, outs, strict=True))
     return [frame.read(v) for v in jaxpr.outvars]
 
 
-def _leave_kernel(frame: "_Frame", activations, value):
+def _leave_kernel(frame: "_Frame", activations, value, region: Region):
     """A normalization's result, computed in float32, in the dtype of the activation it
-    normalized (see `autocast_dataflow.normalization_kernels`)."""
-    dtype = rules.widest(frame.read(a).dtype for a in activations)
+    normalized, as the region reads it (see `autocast_dataflow.normalization_kernels` and
+    `autocast_rules.entered`)."""
+    dtype = rules.widest(rules.entered(region, frame.read(a).dtype, np.dtype(a.aval.dtype))
+                         for a in activations)
     return cast(value, dtype) if dtype in _BELOW_FP32 and value.dtype == rules.FLOAT32 else value
 
 

@@ -24,7 +24,8 @@ from jax.extend import core as jex_core
 
 from jamp import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
-from jamp.transforms import boundary, interpreter
+from jamp.transforms import boundary, interpreter, nnx_scopes
+from jamp.transforms import rules as precision_rules
 
 # How a leaf of an output or of the NNX state is produced on each call:
 #   ("out", k): the k-th array output of the program;
@@ -73,6 +74,7 @@ class Program:
         user = traced.jaxpr
         lifted, slots, cacheable = _lift_closure_arrays(user, call, traced.live)
         num_in, num_results = len(user.in_avals), traced.num_results
+        contexts = []
 
         def program(*inputs):
             consts = list(user.consts)
@@ -83,6 +85,7 @@ class Program:
                 else:
                     consts[slot] = value
             ctx = interpreter.Context(cache_enabled=cache_enabled, substitutes=substitutes)
+            contexts.append(ctx)
             outs = interpreter.eval_jaxpr(user, inputs[:num_in], region, ctx, consts=consts)
             results, state = outs[:num_results], outs[num_results:]
             if cast_outputs:
@@ -92,6 +95,10 @@ class Program:
 
         avals = list(user.in_avals) + [jax.typeof(call.reach.arrays[k]) for k in lifted]
         jaxpr = jx.trace_closed(program, avals)
+        if region.scope is not None:
+            ctx, = contexts
+            precision_rules.check_matched(region.scope.rules, ctx.decided, ctx.places,
+                                          getattr(fn, "__qualname__", repr(fn)))
         cacheable = (cacheable and traced.cacheable and call.key is not None
                      and not any(jx.is_tracer(c) for c in jaxpr.consts))
         return cls(jaxpr, lifted, traced.result, traced.writes, cacheable,
@@ -144,7 +151,8 @@ class _Trace:
         def flat_fn(*flat):
             values = call.state_values(flat[num_args:])
             args, kwargs = call.arguments(flat[:num_args])
-            with nnx_state.borrowed(call.state, values):
+            with nnx_state.borrowed(call.state, values), nnx_scopes.named_calls(
+                    [root for _, root in call.reach.roots]):
                 result = fn(*args, **kwargs)
                 # Read before the state is restored: a returned nnx.state(m) or submodule
                 # holds this trace's values.

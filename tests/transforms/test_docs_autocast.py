@@ -87,6 +87,23 @@ def _custom(ns):
     assert fused.fwd.__wrapped__ is ns["fused_fwd"] and fused.bwd.__wrapped__ is ns["fused_bwd"]
 
 
+def _dot_dtypes(fn, *args):
+    return [e.invars[0].aval.dtype for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
+            if e.primitive.name == "dot_general"]
+
+
+def _linen_rules(ns):
+    assert _dot_dtypes(ns["ruled"], ns["weights"], ns["x"]) == [jnp.float16, jnp.float32]
+    assert ns["stats"]["batch_stats"]["BatchNorm_0"]["mean"].dtype == jnp.float32
+
+
+def _nnx_rules(ns):
+    assert ns["tower_out"].shape == (6, 4)
+    ns["tower"].eval()  # BatchNorm's statistics are not updated inside make_jaxpr's trace
+    low = ns["jamp"].policy.autocast_table(jax.default_backend()).default_dtype
+    assert _dot_dtypes(ns["tower_forward"], ns["x"]) == [low, jnp.float32]
+
+
 CHECKS = {
     "jax.jit(jax.value_and_grad(loss))": _intro,
     '@jamp.autocast("cpu")': _torch_forms,
@@ -95,7 +112,9 @@ CHECKS = {
     "primitive_names(jax.nn.softmax": _primitive_names,
     "(regions nest)": _regions,
     "cast_outputs=False": _outputs,
-    'mutable=["batch_stats"]': _linen,
+    "jamp.autocast(model.apply, dtype=jnp.bfloat16)": _linen,
+    '("BatchNorm_*", jnp.float32)': _linen_rules,
+    '("blocks/1", jnp.float32)': _nnx_rules,
     "nnx.value_and_grad(jamp.autocast(loss_fn))": _nnx,
     "nnx.split(model)": _nnx_functional,
     "jamp.custom_bwd(fused_bwd)": _custom,
