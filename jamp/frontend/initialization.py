@@ -377,6 +377,8 @@ def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
             return cast_outputs(out, outputs_dtype), updates
         return cast_outputs(out, outputs_dtype)
 
+    # How a second initialize knows the function is one it returned (see _check_flax_apply).
+    amp_apply.amp_properties = props
     return amp_apply
 
 

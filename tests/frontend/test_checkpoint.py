@@ -131,7 +131,7 @@ def test_static_and_dynamic_loss_scales_are_told_apart():
     _, _, o1 = amp_state("O1", num_losses=1)
     _, _, o0 = amp_state("O0", num_losses=1)
     with pytest.raises(ValueError, match=r"\['DynamicLossScale'\], the target's .* "
-                                         r"\['StaticLossScale'\]: a static scale"):
+                                         r"\['CountingStaticLossScale'\]: a static scale"):
         check_checkpoint_layout(checkpoint_layout(o1), o0)
     check_checkpoint_layout(checkpoint_layout(o1), jax.eval_shape(lambda: o1))  # fits
 
