@@ -46,10 +46,11 @@ from jamp.frontend import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DynamicLossScale", "DynamicScale", "DynamicScaleResult", "GradScaler", "MasterWeightsState",
-    "NoOpLossScale", "Policy", "Properties", "StaticLossScale", "all_finite", "autocast",
-    "autograd", "cast_to_full", "cast_to_half", "custom_bwd", "custom_fwd", "frontend",
-    "get_loss_scale", "get_policy", "half_dtype", "initialize", "load_state_dict",
-    "loss_scaled", "master_params", "master_weights", "policy", "profile", "properties",
-    "scale_loss", "scaled_value_and_grad", "scaler", "select_tree", "state_dict", "transforms",
+    "all_finite", "autocast", "autograd", "cast_to_full", "cast_to_half", "checkpoint_from_bytes",
+    "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "DynamicLossScale", "DynamicScale",
+    "DynamicScaleResult", "frontend", "get_loss_scale", "get_policy", "GradScaler", "half_dtype",
+    "initialize", "load_state_dict", "loss_scaled", "master_params", "master_weights",
+    "MasterWeightsState", "NoOpLossScale", "Policy", "policy", "profile", "Properties",
+    "properties", "restore_checkpoint", "save_checkpoint", "scale_loss", "scaled_value_and_grad",
+    "scaler", "select_tree", "state_dict", "StaticLossScale", "transforms"
 ]
