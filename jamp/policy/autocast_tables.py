@@ -97,11 +97,12 @@ _LOWER_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 # left to promotion; __rdiv__/__rtruediv__ on a tensor -> div, left to promotion (it also
 # implements ordinary division, which torch does not upcast; `scalar / x` is matched by a
 # function rule instead); rsqrt; exp,
-# expm1, log, log1p, log2, log10 (log + div); acos, asin, cosh, sinh, tan; erfinv; sum, prod,
+# expm1, log, log1p, log2 (its own primitive since jax 0.12; before it, log + div), log10
+# (log + div); acos, asin, cosh, sinh, tan; erfinv; sum, prod,
 # cumsum, cumprod; softmax/log_softmax/layer_norm/group_norm/norm/normalize/losses are built from
 # these, so they run in float32 exactly where torch's do.
 _CUDA_FP32_OPS = (
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "rsqrt",
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "integer_pow", "rsqrt",
     "acos", "asin", "cosh", "sinh", "tan", "erf_inv",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 )

@@ -42,8 +42,14 @@ ELEMENTWISE = frozenset({
     "atanh", "lgamma", "digamma", "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "abs",
     "square", "integer_pow", "real", "imag", "conj", "reduce_precision", "add", "add_any",
     "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter", "select_n", "clamp",
-    "stop_gradient",
+    "stop_gradient", "log2", "one_minus_square", "polynomial",
 })
+# Primitives that only some supported JAX versions have: jax 0.12 traces `jnp.log2` to `log2`
+# (earlier versions divide a `log`), the derivative of tanh to `one_minus_square`, the
+# polynomials of erf and of jax.random's samplers to `polynomial`; `jnp.stack` is its own
+# primitive in some versions. Tables and classes may name them: where JAX lacks one, nothing
+# traces to it.
+VERSION_SPECIFIC = frozenset({"log2", "one_minus_square", "polynomial", "stack"})
 # Ops that join whole arrays into one (`jnp.stack` is its own primitive in some JAX versions).
 ASSEMBLES = frozenset({"concatenate", "stack"})
 # Ops that write values into an array, their first operand (jnp's `.at[]`, torch's index_put).
@@ -103,8 +109,9 @@ def _loaded_primitive_names() -> set[str]:
 
 
 def unknown_names(names: Iterable[str]) -> list[str]:
-    """The names among `names` that no loaded JAX primitive has."""
-    missing = [n for n in names if n not in _public_primitive_names()]
+    """The names among `names` that no loaded JAX primitive has (those of `VERSION_SPECIFIC`
+    count as known in every version, so one table serves them all)."""
+    missing = [n for n in names if n not in _public_primitive_names() | VERSION_SPECIFIC]
     if not missing:
         return []
     loaded = _loaded_primitive_names()

@@ -60,7 +60,7 @@ def test_table_primitive_is_what_jax_emits(name):
 
 def test_every_table_entry_is_checked_or_documented():
     # Entries not in EMITTED are primitives of less common functions, listed here on purpose.
-    documented_only = {"ragged_dot_general", "householder_product", "geqrf", "eig", "schur",
+    documented_only = {"log2", "ragged_dot_general", "householder_product", "geqrf", "eig", "schur",
                        "hessenberg", "tridiagonal_solve"}
     for table in DEFAULT_TABLES.values():
         assert set(table.rules) <= set(EMITTED) | documented_only
@@ -245,6 +245,16 @@ def test_primitive_classes_name_only_primitives():
                   primitives.REDUCTIONS, primitives.COLLECTIVES, primitives.CUMULATIVE,
                   _jax_internals.CALLS):
         assert primitives.unknown_names(sorted(group)) == []
+
+
+def test_log2_computes_in_float32_on_the_cuda_table_in_every_jax():
+    # jax 0.12 traces jnp.log2 to its own primitive, earlier versions to log and div: torch's
+    # CUDA list holds log2, and either way the logarithm runs in float32.
+    f = jamp.autocast(jnp.log2, device_type="cuda", dtype=F16, cast_outputs=False)
+    x = X.astype(F16)
+    logs = [e for e in jaxpr_equations(jax.make_jaxpr(f)(x))
+            if e.primitive.name in ("log", "log2")]
+    assert logs and all(v.aval.dtype == F32 for e in logs for v in e.invars)
 
 
 def test_cpu_table_sums_to_one_number_in_float32():
