@@ -39,6 +39,7 @@ not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import linecache
@@ -169,12 +170,15 @@ class detect_anomaly:
         return _checked(fn, self.checks)
 
     def __enter__(self) -> None:
-        context = _MODE(_mode_value(True, self.checks))
-        context.__enter__()
-        self._previous.append(context)
+        block = contextlib.ExitStack()
+        block.enter_context(_MODE(_mode_value(True, self.checks)))
+        block.enter_context(_jax_checks(self.checks))
+        self._previous.append(block)
 
-    def __exit__(self, *exc) -> None:
-        self._previous.pop().__exit__(*exc)
+    def __exit__(self, exc_type, error, tb) -> None:
+        self._previous.pop().close()
+        if error is not None:
+            _name_the_source(error)
 
 
 class set_detect_anomaly:
@@ -195,14 +199,60 @@ class set_detect_anomaly:
 
     def __init__(self, mode: bool, check_nan: bool = True, *, check_inf: bool = False):
         checks = Checks(check_bool("check_nan", check_nan), check_bool("check_inf", check_inf))
-        self._previous = _MODE.get_global()
-        jax.config.update(_MODE.name, _mode_value(check_bool("mode", mode), checks))
+        mode = check_bool("mode", mode)
+        self.checks = checks if mode else Checks(nan=False, inf=False)
+        self._previous = (_MODE.get_global(), *jx.value_checks_global())
+        self._block = contextlib.ExitStack()
+        jax.config.update(_MODE.name, _mode_value(mode, checks))
+        jax.config.update("jax_debug_nans", self.checks.nan)
+        jax.config.update("jax_debug_infs", self.checks.inf)
 
     def __enter__(self) -> None:
-        pass
+        # The settings are the process's from the call on; a block also names the source.
+        if self.checks.values:
+            self._block.enter_context(jx.unfiltered_tracebacks())
 
-    def __exit__(self, *exc) -> None:
-        jax.config.update(_MODE.name, self._previous)
+    def __exit__(self, exc_type, error, tb) -> None:
+        self._block.close()
+        mode, nan, inf = self._previous
+        jax.config.update(_MODE.name, mode)
+        jax.config.update("jax_debug_nans", nan)
+        jax.config.update("jax_debug_infs", inf)
+        if error is not None:
+            _name_the_source(error)
+
+
+@contextlib.contextmanager
+def _jax_checks(checks: Checks):
+    """JAX's own checks of every operation for this thread (`jax_debug_nans`, and
+    `jax_debug_infs` for `check_inf`), with JAX's frames kept in the tracebacks of its errors
+    while they are on, for `_name_the_source`."""
+    with jax.debug_nans(checks.nan), jax.debug_infs(checks.inf), (
+            jx.unfiltered_tracebacks() if checks.values else contextlib.nullcontext()):
+        yield
+
+
+def _without_jax_checks():
+    return _jax_checks(Checks(nan=False, inf=False))
+
+
+def _name_the_source(error: BaseException) -> None:
+    """Leaving an anomaly block: JAX's `FloatingPointError` gets a note with the traceback of
+    the user's code that made the value (for a backward pass, the forward line: JAX's own
+    error from `jax.jit(jax.grad(f))` names only the primitive); then the error's traceback
+    loses JAX's frames as it would have without the block."""
+    if (isinstance(error, FloatingPointError)
+            and not getattr(error, "_jamp_anomaly_noted", False)):
+        frames = jx.error_source(error.__traceback__)
+        if frames:
+            _add_note(error, _format_frames(frames))
+    jx.filter_traceback(error)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    # Python 3.11's add_note; on 3.10 the note is kept, not printed.
+    error.__notes__ = [*getattr(error, "__notes__", []), note]
+    error._jamp_anomaly_noted = True
 
 
 def anomaly_checked(fn: Callable) -> Callable:
@@ -296,11 +346,14 @@ class _Program:
     arg_names: Sequence[str]
 
     def __call__(self, arrays: list) -> list:
-        if not self.checks.values:
-            return _Evaluation(self, backward=False).run(self.closed, arrays, check=False)
-        if any("forward" in jx.autodiff_kinds(a) for a in arrays):
-            return self._forward(arrays)
-        return self._with_checked_backward(arrays)
+        # jamp checks each equation here itself, with the richer report: JAX's own checks
+        # (on in an anomaly block) would stop an eager evaluation at the first bad value first.
+        with _without_jax_checks():
+            if not self.checks.values:
+                return _Evaluation(self, backward=False).run(self.closed, arrays, check=False)
+            if any("forward" in jx.autodiff_kinds(a) for a in arrays):
+                return self._forward(arrays)
+            return self._with_checked_backward(arrays)
 
     def _forward(self, arrays: list) -> list:
         evaluation = _Evaluation(self, backward=False)
@@ -332,8 +385,9 @@ class _Program:
 
         def bwd(residual, cts):
             pullback, forward_codes = residual
-            return tuple(self._backward(pullback, forward_codes, forward_box[0], cts,
-                                        out_avals))
+            with _without_jax_checks():
+                return tuple(self._backward(pullback, forward_codes, forward_box[0], cts,
+                                            out_avals))
 
         checked.defvjp(fwd, bwd)
         return list(checked(*arrays))
@@ -582,9 +636,7 @@ def _with_noted_bwd(eqn, frames: tuple) -> dict:
                 return bwd(*args)
             except Exception as error:  # re-raised unchanged, with a note
                 if not getattr(error, "_jamp_anomaly_noted", False):
-                    # Python 3.11's add_note; on 3.10 the note is kept, not printed.
-                    error.__notes__ = [*getattr(error, "__notes__", []), _format_frames(frames)]
-                    error._jamp_anomaly_noted = True
+                    _add_note(error, _format_frames(frames))
                 raise
 
         return noted
