@@ -30,6 +30,15 @@ the custom_vjp (`jax.closure_convert`), so their gradients flow as before.
 
 The anomaly mode (`set_detect_anomaly`, `with detect_anomaly():`) is a JAX configuration
 option in `jax.jit`'s cache key, read when a function wrapped in `anomaly_checked` is traced.
+It also turns on JAX's own checks, `jax_debug_nans` (and `jax_debug_infs` for `check_inf`), for
+everything else that runs while it is on: JAX tests the outputs of every operation run eagerly
+and of every compiled call, and when a compiled call returns a NaN it runs the call again op by
+op and raises `FloatingPointError` at the primitive that made it. For a backward pass under
+`jax.jit` that error names the primitive only; a `with` block keeps JAX's frames in the
+error's traceback while it is on, and on leaving adds the traceback of the forward call (the
+source info of the equation JAX was evaluating) as a note, then filters the traceback as JAX
+would have. Functions marked `anomaly_checked` are evaluated with JAX's checks off: jamp's own
+checks, with their richer report, see every value there first.
 
 Forward mode: JAX refuses `jax.jvp` through a `jax.custom_vjp`, so where forward-mode
 differentiation acts on the inputs (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) the function is
@@ -128,10 +137,17 @@ class detect_anomaly:
     the same message. With both checks off, only errors raised by a custom backward rule are
     given the traceback of the forward call that created it.
 
-    As a context manager, `with detect_anomaly():` turns anomaly mode on for the block (as
-    `set_detect_anomaly(True, ...)` would): functions wrapped in `anomaly_checked` are checked
-    when traced inside it. Other JAX code is not: JAX builds a backward when a function is
-    traced, so a block around calls cannot reach into functions nobody marked.
+    As a context manager, `with detect_anomaly():` turns anomaly mode on for the block of this
+    thread, torch's way: everything run inside is checked, marked or not. JAX's own checks
+    (`jax_debug_nans`, and `jax_debug_infs` with `check_inf`) test the outputs of every
+    operation and of every compiled call, and raise `FloatingPointError` at the primitive
+    that made a NaN, forward or backward, also under `jax.jit(jax.grad(f))`; leaving the block,
+    that error gets a note "Traceback of forward call that caused the error" naming the user's
+    line (for a backward NaN, the forward line whose gradient made it). Functions wrapped in
+    `anomaly_checked` are checked by jamp instead, with the report described above. The
+    previous settings return when the block ends, also on an error. Under `jax.jit` only a
+    compiled call's outputs are tested: a NaN that does not reach them (a forward value whose
+    gradient is finite, under `jax.jit(jax.grad(f))`) passes, as it does in torch.
 
     torch checks for NaN in the backward only; jamp checks the forward too, and the arguments
     of the function and the gradient flowing into its backward, so an anomaly that comes from
@@ -185,11 +201,16 @@ class set_detect_anomaly:
     """Turns anomaly mode on or off: torch's `torch.autograd.set_detect_anomaly`.
 
     Called as a statement, it sets the mode for the process (the current thread keeps any
-    `with` override); as a context manager, it restores the previous mode on exit. The mode
-    decides whether functions wrapped in `anomaly_checked` are checked (see `detect_anomaly`
-    for what is checked). It is read when such a function is traced, and `jax.jit` keys its
-    cache on it: a jitted function called after the mode changed is traced again (once per
-    mode), so turning the mode off returns to the unchecked program, compiled as before.
+    `with` override): functions wrapped in `anomaly_checked` are checked by jamp, and JAX's
+    `jax_debug_nans` / `jax_debug_infs` are set to `mode and check_nan` / `mode and
+    check_inf` for everything else (see `detect_anomaly`). As a context manager, it restores
+    the previous settings on exit and, like `with detect_anomaly():`, adds the forward line to
+    JAX's error; as a statement JAX's error is left as JAX raises it (under
+    `jax.jit(jax.grad(f))`, a backward NaN is named by its primitive only). The mode is read
+    when a marked function is traced, and `jax.jit` keys its cache on it: a jitted function
+    called after the mode changed is traced again (once per mode), so turning the mode off
+    returns to the unchecked program, compiled as before. JAX's checks are not in the cache
+    key: turning them on recompiles nothing.
 
     Args:
       mode: anomaly mode on (True) or off (False).
