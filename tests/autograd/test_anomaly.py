@@ -391,3 +391,19 @@ def test_set_detect_anomaly_as_a_block_names_the_line_and_restores():
     with set_detect_anomaly(False):
         assert np.isnan(jax.jit(jax.grad(masked))(ZERO_ONE)[0])
     assert jax_settings() == before
+
+
+def test_the_block_names_a_jitted_helper_and_a_scan_by_their_call_lines():
+    inner = jax.jit(masked)
+
+    def nested(x):
+        return 2.0 * inner(x)  # NESTED-CALLS-MASKED
+
+    error = floating_point_error(lambda: jax.jit(jax.grad(nested))(ZERO_ONE))
+    assert_forward_line(notes(error), "NESTED-CALLS-MASKED",
+                        "test_the_block_names_a_jitted_helper_and_a_scan_by_their_call_lines."
+                        "<locals>.nested")
+    assert_forward_line(notes(error), "MASKED-LOG", "masked")
+    # A scan runs as one operation: the note stops at the line that called it.
+    error = floating_point_error(lambda: jax.jit(jax.grad(scanned))(ZERO_ONE))
+    assert_forward_line(notes(error), "SCAN-CALL", "scanned")
