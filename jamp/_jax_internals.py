@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -41,6 +43,9 @@ from jax._src import config as _config  # noqa: E402
 # The tracer types of jvp, linearize and vmap: which differentiation acts on a Function's inputs.
 from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import batching as _batching  # noqa: E402
+# JAX's filter of its own frames out of tracebacks: anomaly mode turns it off for a block to
+# find the equation that made a NaN, then filters the error's traceback as JAX would have.
+from jax._src import traceback_util as _traceback_util  # noqa: E402
 
 
 def is_tracer(x) -> bool:
@@ -465,6 +470,81 @@ def jit_keyed_enum_state(name: str, values: Sequence[str], default: str, help: s
     except TypeError:  # a jax whose options have no separate trace-context flag
         return _config.enum_state(name, list(values), default, help=help,
                                   include_in_jit_key=True)
+
+
+def value_checks_global() -> tuple[bool, bool]:
+    """The process-wide values of `jax_debug_nans` and `jax_debug_infs`, under any
+    `with jax.debug_nans(...)` of this thread: what a statement that sets them for the process
+    restores. `jax.config` reads only the value in effect here."""
+    return _config.debug_nans.get_global(), _config.debug_infs.get_global()
+
+
+def unfiltered_tracebacks():
+    """A context in which JAX keeps its own frames in the tracebacks of the errors it raises.
+
+    When `jax_debug_nans` finds a NaN in the output of a `jax.jit` function, JAX runs the
+    function again op by op and raises `FloatingPointError` at the primitive that made it. In a
+    backward pass that primitive is evaluated from an equation whose source info names the
+    user's forward line, but the error JAX raises from a jitted function drops that record;
+    only JAX's own frames, still evaluating the equation, hold it (`error_source`). Not public:
+    the option is one of JAX's config states, set for this thread.
+    """
+    return _config.traceback_filtering("off")
+
+
+def filter_traceback(error: BaseException) -> None:
+    """Filters JAX's frames out of `error`'s traceback as JAX's API boundary does under the
+    traceback filtering now in effect (nothing when it is off), each kept entry at the line it
+    was raised through. Not public: JAX's filter and its modes."""
+    tb = error.__traceback__
+    mode = _traceback_util._filtering_mode()
+    if tb is None or mode == "off":
+        return
+    if mode == "tracebackhide":
+        _traceback_util._add_tracebackhide_to_hidden_frames(tb)
+        return
+    kept = []
+    while tb is not None:
+        if _traceback_util.include_frame(tb.tb_frame):
+            kept.append(tb)
+        tb = tb.tb_next
+    filtered = None
+    for entry in reversed(kept):
+        filtered = types.TracebackType(filtered, entry.tb_frame, entry.tb_lasti,
+                                       entry.tb_lineno)
+    error.with_traceback(filtered)
+
+
+def error_source(tb) -> list[tuple[str, int, str]]:
+    """The user's frames (`(file, line, function)`, outermost first) that made the error whose
+    unfiltered traceback is `tb`, where the innermost of them decides: a frame of user code
+    (the error came from the line it runs), or frames of JAX (or of jamp) evaluating jaxpr
+    equations (it came from those equations, and their source info names the user's lines that
+    created them: the forward line, for an equation of a backward pass). For the first, the
+    traceback's user frames; for the second, the equations', a call's before its body's (a
+    body records its frames from the body inwards). Empty when neither is found.
+    Not public: frames hold JAX's internal locals, `source_info` is an internal field."""
+    frames: list[tuple[str, int, str]] = []
+    equations: list[JaxprEqn] = []
+    while tb is not None:
+        frame = tb.tb_frame
+        found = next((v for v in frame.f_locals.values() if isinstance(v, JaxprEqn)), None)
+        if found is not None:
+            equations.append(found)
+        elif (_source_info.is_user_filename(frame.f_code.co_filename)
+              and not frame.f_code.co_filename.startswith(_JAMP_DIR)):
+            frames.append((frame.f_code.co_filename, tb.tb_lineno, frame.f_code.co_name))
+            equations = []
+        tb = tb.tb_next
+    if not equations:
+        return frames
+    chain: list[tuple[str, int, str]] = []
+    for eqn in equations:
+        chain += [f for f in user_frames(eqn) if f not in chain]
+    return chain
+
+
+_JAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # jamp's own frames
 
 
 def user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:

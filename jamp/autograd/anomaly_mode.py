@@ -30,6 +30,15 @@ the custom_vjp (`jax.closure_convert`), so their gradients flow as before.
 
 The anomaly mode (`set_detect_anomaly`, `with detect_anomaly():`) is a JAX configuration
 option in `jax.jit`'s cache key, read when a function wrapped in `anomaly_checked` is traced.
+It also turns on JAX's own checks, `jax_debug_nans` (and `jax_debug_infs` for `check_inf`), for
+everything else that runs while it is on: JAX tests the outputs of every operation run eagerly
+and of every compiled call, and when a compiled call returns a NaN it runs the call again op by
+op and raises `FloatingPointError` at the primitive that made it. For a backward pass under
+`jax.jit` that error names the primitive only; a `with` block keeps JAX's frames in the
+error's traceback while it is on, and on leaving adds the traceback of the forward call (the
+source info of the equation JAX was evaluating) as a note, then filters the traceback as JAX
+would have. Functions marked `anomaly_checked` are evaluated with JAX's checks off: jamp's own
+checks, with their richer report, see every value there first.
 
 Forward mode: JAX refuses `jax.jvp` through a `jax.custom_vjp`, so where forward-mode
 differentiation acts on the inputs (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) the function is
@@ -39,6 +48,7 @@ not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import linecache
@@ -127,10 +137,17 @@ class detect_anomaly:
     the same message. With both checks off, only errors raised by a custom backward rule are
     given the traceback of the forward call that created it.
 
-    As a context manager, `with detect_anomaly():` turns anomaly mode on for the block (as
-    `set_detect_anomaly(True, ...)` would): functions wrapped in `anomaly_checked` are checked
-    when traced inside it. Other JAX code is not: JAX builds a backward when a function is
-    traced, so a block around calls cannot reach into functions nobody marked.
+    As a context manager, `with detect_anomaly():` turns anomaly mode on for the block of this
+    thread, torch's way: everything run inside is checked, marked or not. JAX's own checks
+    (`jax_debug_nans`, and `jax_debug_infs` with `check_inf`) test the outputs of every
+    operation and of every compiled call, and raise `FloatingPointError` at the primitive
+    that made a NaN, forward or backward, also under `jax.jit(jax.grad(f))`; leaving the block,
+    that error gets a note "Traceback of forward call that caused the error" naming the user's
+    line (for a backward NaN, the forward line whose gradient made it). Functions wrapped in
+    `anomaly_checked` are checked by jamp instead, with the report described above. The
+    previous settings return when the block ends, also on an error. Under `jax.jit` only a
+    compiled call's outputs are tested: a NaN that does not reach them (a forward value whose
+    gradient is finite, under `jax.jit(jax.grad(f))`) passes, as it does in torch.
 
     torch checks for NaN in the backward only; jamp checks the forward too, and the arguments
     of the function and the gradient flowing into its backward, so an anomaly that comes from
@@ -169,23 +186,31 @@ class detect_anomaly:
         return _checked(fn, self.checks)
 
     def __enter__(self) -> None:
-        context = _MODE(_mode_value(True, self.checks))
-        context.__enter__()
-        self._previous.append(context)
+        block = contextlib.ExitStack()
+        block.enter_context(_MODE(_mode_value(True, self.checks)))
+        block.enter_context(_jax_checks(self.checks))
+        self._previous.append(block)
 
-    def __exit__(self, *exc) -> None:
-        self._previous.pop().__exit__(*exc)
+    def __exit__(self, exc_type, error, tb) -> None:
+        self._previous.pop().close()
+        if error is not None:
+            _name_the_source(error)
 
 
 class set_detect_anomaly:
     """Turns anomaly mode on or off: torch's `torch.autograd.set_detect_anomaly`.
 
     Called as a statement, it sets the mode for the process (the current thread keeps any
-    `with` override); as a context manager, it restores the previous mode on exit. The mode
-    decides whether functions wrapped in `anomaly_checked` are checked (see `detect_anomaly`
-    for what is checked). It is read when such a function is traced, and `jax.jit` keys its
-    cache on it: a jitted function called after the mode changed is traced again (once per
-    mode), so turning the mode off returns to the unchecked program, compiled as before.
+    `with` override): functions wrapped in `anomaly_checked` are checked by jamp, and JAX's
+    `jax_debug_nans` / `jax_debug_infs` are set to `mode and check_nan` / `mode and
+    check_inf` for everything else (see `detect_anomaly`). As a context manager, it restores
+    the previous settings on exit and, like `with detect_anomaly():`, adds the forward line to
+    JAX's error; as a statement JAX's error is left as JAX raises it (under
+    `jax.jit(jax.grad(f))`, a backward NaN is named by its primitive only). The mode is read
+    when a marked function is traced, and `jax.jit` keys its cache on it: a jitted function
+    called after the mode changed is traced again (once per mode), so turning the mode off
+    returns to the unchecked program, compiled as before. JAX's checks are not in the cache
+    key: turning them on recompiles nothing.
 
     Args:
       mode: anomaly mode on (True) or off (False).
@@ -195,14 +220,60 @@ class set_detect_anomaly:
 
     def __init__(self, mode: bool, check_nan: bool = True, *, check_inf: bool = False):
         checks = Checks(check_bool("check_nan", check_nan), check_bool("check_inf", check_inf))
-        self._previous = _MODE.get_global()
-        jax.config.update(_MODE.name, _mode_value(check_bool("mode", mode), checks))
+        mode = check_bool("mode", mode)
+        self.checks = checks if mode else Checks(nan=False, inf=False)
+        self._previous = (_MODE.get_global(), *jx.value_checks_global())
+        self._block = contextlib.ExitStack()
+        jax.config.update(_MODE.name, _mode_value(mode, checks))
+        jax.config.update("jax_debug_nans", self.checks.nan)
+        jax.config.update("jax_debug_infs", self.checks.inf)
 
     def __enter__(self) -> None:
-        pass
+        # The settings are the process's from the call on; a block also names the source.
+        if self.checks.values:
+            self._block.enter_context(jx.unfiltered_tracebacks())
 
-    def __exit__(self, *exc) -> None:
-        jax.config.update(_MODE.name, self._previous)
+    def __exit__(self, exc_type, error, tb) -> None:
+        self._block.close()
+        mode, nan, inf = self._previous
+        jax.config.update(_MODE.name, mode)
+        jax.config.update("jax_debug_nans", nan)
+        jax.config.update("jax_debug_infs", inf)
+        if error is not None:
+            _name_the_source(error)
+
+
+@contextlib.contextmanager
+def _jax_checks(checks: Checks):
+    """JAX's own checks of every operation for this thread (`jax_debug_nans`, and
+    `jax_debug_infs` for `check_inf`), with JAX's frames kept in the tracebacks of its errors
+    while they are on, for `_name_the_source`."""
+    with jax.debug_nans(checks.nan), jax.debug_infs(checks.inf), (
+            jx.unfiltered_tracebacks() if checks.values else contextlib.nullcontext()):
+        yield
+
+
+def _without_jax_checks():
+    return _jax_checks(Checks(nan=False, inf=False))
+
+
+def _name_the_source(error: BaseException) -> None:
+    """Leaving an anomaly block: JAX's `FloatingPointError` gets a note with the traceback of
+    the user's code that made the value (for a backward pass, the forward line: JAX's own
+    error from `jax.jit(jax.grad(f))` names only the primitive); then the error's traceback
+    loses JAX's frames as it would have without the block."""
+    if (isinstance(error, FloatingPointError)
+            and not getattr(error, "_jamp_anomaly_noted", False)):
+        frames = jx.error_source(error.__traceback__)
+        if frames:
+            _add_note(error, _format_frames(frames))
+    jx.filter_traceback(error)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    # Python 3.11's add_note; on 3.10 the note is kept, not printed.
+    error.__notes__ = [*getattr(error, "__notes__", []), note]
+    error._jamp_anomaly_noted = True
 
 
 def anomaly_checked(fn: Callable) -> Callable:
@@ -296,11 +367,14 @@ class _Program:
     arg_names: Sequence[str]
 
     def __call__(self, arrays: list) -> list:
-        if not self.checks.values:
-            return _Evaluation(self, backward=False).run(self.closed, arrays, check=False)
-        if any("forward" in jx.autodiff_kinds(a) for a in arrays):
-            return self._forward(arrays)
-        return self._with_checked_backward(arrays)
+        # jamp checks each equation here itself, with the richer report: JAX's own checks
+        # (on in an anomaly block) would stop an eager evaluation at the first bad value first.
+        with _without_jax_checks():
+            if not self.checks.values:
+                return _Evaluation(self, backward=False).run(self.closed, arrays, check=False)
+            if any("forward" in jx.autodiff_kinds(a) for a in arrays):
+                return self._forward(arrays)
+            return self._with_checked_backward(arrays)
 
     def _forward(self, arrays: list) -> list:
         evaluation = _Evaluation(self, backward=False)
@@ -332,8 +406,9 @@ class _Program:
 
         def bwd(residual, cts):
             pullback, forward_codes = residual
-            return tuple(self._backward(pullback, forward_codes, forward_box[0], cts,
-                                        out_avals))
+            with _without_jax_checks():
+                return tuple(self._backward(pullback, forward_codes, forward_box[0], cts,
+                                            out_avals))
 
         checked.defvjp(fwd, bwd)
         return list(checked(*arrays))
@@ -582,9 +657,7 @@ def _with_noted_bwd(eqn, frames: tuple) -> dict:
                 return bwd(*args)
             except Exception as error:  # re-raised unchanged, with a note
                 if not getattr(error, "_jamp_anomaly_noted", False):
-                    # Python 3.11's add_note; on 3.10 the note is kept, not printed.
-                    error.__notes__ = [*getattr(error, "__notes__", []), _format_frames(frames)]
-                    error._jamp_anomaly_noted = True
+                    _add_note(error, _format_frames(frames))
                 raise
 
         return noted

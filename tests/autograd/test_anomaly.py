@@ -4,6 +4,7 @@ pass and the user's forward line (file, line number, source text), eagerly, unde
 under `jax.jit(jax.grad(f))`; with the mode off a function is unchanged."""
 
 import pathlib
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -259,3 +260,150 @@ def test_set_detect_anomaly_as_a_statement():
     assert not is_anomaly_enabled()
 
 
+
+
+# -- any function, unmarked, inside the block (JAX's jax_debug_nans / jax_debug_infs) ---------
+
+def unmarked_log(x):
+    y = jnp.log(x)  # UNMARKED-LOG
+    return (y * y).sum()
+
+
+def unmarked_root(x):
+    return jnp.sqrt(x).sum()  # UNMARKED-SQRT
+
+
+DIFFERENTIATIONS = {
+    "grad": jax.grad,
+    "jit(grad)": lambda f: jax.jit(jax.grad(f)),
+    "jit(vmap(grad))": lambda f: jax.jit(lambda x: jax.vmap(jax.grad(f))(x[None])[0]),
+}
+
+
+def floating_point_error(call, **block) -> FloatingPointError:
+    """The error `call()` raises inside `with detect_anomaly(**block):`."""
+    with pytest.raises(FloatingPointError) as info:
+        with detect_anomaly(**block):
+            jax.block_until_ready(call())
+    return info.value
+
+
+def notes(error: BaseException) -> str:
+    return "\n".join(getattr(error, "__notes__", []))
+
+
+def test_the_block_catches_a_forward_nan_of_any_function(variant):
+    error = floating_point_error(lambda: variant(unmarked_log)(NEGATIVE))
+    assert "nan" in str(error) and "log" in str(error)
+    assert_forward_line(notes(error), "UNMARKED-LOG", "unmarked_log")
+
+
+@pytest.mark.parametrize("differentiate", DIFFERENTIATIONS.values(), ids=DIFFERENTIATIONS)
+def test_the_block_catches_a_forward_nan_under_differentiation(differentiate):
+    error = floating_point_error(lambda: differentiate(unmarked_log)(NEGATIVE))
+    assert "nan" in str(error)
+    assert_forward_line(notes(error), "UNMARKED-LOG", "unmarked_log")
+
+
+@pytest.mark.parametrize("differentiate", DIFFERENTIATIONS.values(), ids=DIFFERENTIATIONS)
+def test_the_block_names_the_forward_line_of_a_backward_nan(differentiate):
+    # The forward of `masked` is finite: only its backward makes the NaN. JAX's own error from
+    # a jitted gradient names the primitive, not the line; the block's note names the line.
+    step = differentiate(masked)
+    assert np.isnan(step(ZERO_ONE)[0])  # outside the block: no check, as in torch
+    error = floating_point_error(lambda: step(ZERO_ONE))
+    assert str(error) == "invalid value (nan) encountered in div"
+    assert_forward_line(notes(error), "MASKED-LOG", "masked")
+    frames = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
+    assert not any("interpreters" in name for name in frames), frames  # JAX's, filtered
+
+
+def test_check_inf_catches_infinities_of_any_function():
+    step = jax.jit(jax.grad(unmarked_root))  # d sqrt(x)/dx at 0 is inf; the forward is 0
+    assert np.isinf(step(ZERO_ONE)[0])
+    with detect_anomaly():
+        assert np.isinf(step(ZERO_ONE)[0])  # NaN only, by default (torch's check)
+    error = floating_point_error(lambda: step(ZERO_ONE), check_inf=True)
+    assert "inf" in str(error)
+    assert_forward_line(notes(error), "UNMARKED-SQRT", "unmarked_root")
+    with detect_anomaly(check_nan=False):
+        assert np.isnan(jax.jit(jax.grad(masked))(ZERO_ONE)[0])
+
+
+def test_marked_functions_keep_the_richer_report_in_the_block():
+    with detect_anomaly():
+        text = error_text(lambda: jax.grad(anomaly_checked(masked))(ZERO_ONE))
+    assert text.startswith("'div' returned nan in its output 0 in the backward pass of masked")
+    assert_forward_line(text, "MASKED-LOG", "masked")
+
+
+def jax_settings():
+    return (jax.config.jax_debug_nans, jax.config.jax_debug_infs,
+            jax.config.jax_traceback_filtering, is_anomaly_enabled())
+
+
+def test_the_block_restores_the_settings_also_nested_and_on_errors():
+    before = jax_settings()
+    with detect_anomaly():
+        assert jax_settings()[:2] == (True, False)
+        with detect_anomaly(check_nan=False, check_inf=True):
+            assert jax_settings()[:2] == (False, True)
+            with detect_anomaly(check_nan=False):
+                assert jax_settings()[:2] == (False, False)
+            assert jax_settings()[:2] == (False, True)
+        assert jax_settings()[:2] == (True, False)
+    assert jax_settings() == before
+    with pytest.raises(FloatingPointError):
+        with detect_anomaly(check_inf=True):
+            jax.jit(jax.grad(masked))(ZERO_ONE)
+    assert jax_settings() == before
+    with pytest.raises(ValueError, match="not an anomaly"):
+        with detect_anomaly():
+            raise ValueError("not an anomaly")
+    assert jax_settings() == before
+
+
+def test_set_detect_anomaly_turns_jax_checks_on_for_the_process():
+    before = jax_settings()
+    step = jax.jit(jax.grad(masked))
+    try:
+        set_detect_anomaly(True)
+        assert jax_settings()[:2] == (True, False) and is_anomaly_enabled()
+        with pytest.raises(FloatingPointError, match="nan"):
+            step(ZERO_ONE)
+        set_detect_anomaly(True, check_nan=False, check_inf=True)
+        assert jax_settings()[:2] == (False, True)
+        with pytest.raises(FloatingPointError, match="inf"):
+            jax.jit(jax.grad(unmarked_root))(ZERO_ONE)
+    finally:
+        set_detect_anomaly(False)
+    assert jax_settings() == before
+    assert np.isnan(step(ZERO_ONE)[0])
+
+
+def test_set_detect_anomaly_as_a_block_names_the_line_and_restores():
+    before = jax_settings()
+    with pytest.raises(FloatingPointError) as info:
+        with set_detect_anomaly(True):
+            jax.jit(jax.grad(masked))(ZERO_ONE)
+    assert_forward_line(notes(info.value), "MASKED-LOG", "masked")
+    assert jax_settings() == before
+    with set_detect_anomaly(False):
+        assert np.isnan(jax.jit(jax.grad(masked))(ZERO_ONE)[0])
+    assert jax_settings() == before
+
+
+def test_the_block_names_a_jitted_helper_and_a_scan_by_their_call_lines():
+    inner = jax.jit(masked)
+
+    def nested(x):
+        return 2.0 * inner(x)  # NESTED-CALLS-MASKED
+
+    error = floating_point_error(lambda: jax.jit(jax.grad(nested))(ZERO_ONE))
+    assert_forward_line(notes(error), "NESTED-CALLS-MASKED",
+                        "test_the_block_names_a_jitted_helper_and_a_scan_by_their_call_lines."
+                        "<locals>.nested")
+    assert_forward_line(notes(error), "MASKED-LOG", "masked")
+    # A scan runs as one operation: the note stops at the line that called it.
+    error = floating_point_error(lambda: jax.jit(jax.grad(scanned))(ZERO_ONE))
+    assert_forward_line(notes(error), "SCAN-CALL", "scanned")

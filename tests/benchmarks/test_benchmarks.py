@@ -58,3 +58,16 @@ def test_scaler_overhead_prints_every_ratio():
     assert float(rows["optax.adam (no scaling)"]) == 1.0
     assert all(float(r) > 0 for r in rows.values())
     assert "(target <= 1.03: " in result.stdout
+
+
+def test_anomaly_overhead_prints_every_ratio():
+    result = subprocess.run(
+        [sys.executable, "anomaly_overhead.py", "--quick", "--width", "32", "--depth", "1",
+         "--seq", "16"],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M))
+    assert list(rows) == ["plain step", "step inside detect_anomaly()",
+                          "anomaly_checked loss in detect_anomaly()"]
+    assert float(rows["plain step"]) == 1.0
+    assert all(float(r) > 0 for r in rows.values())
