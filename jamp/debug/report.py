@@ -165,7 +165,7 @@ class PrecisionReport:
         zero at `loss_scale` (None without a backward pass).
       min_loss_scale: the smallest power of two at which every backward equation keeps all
         but `UNDERFLOW_TOLERANCE` of its nonzero values from flushing to zero (None when none
-        up to 2**64 does).
+        up to 2**64 does); at least 1 unless gradients overflow at 1.
       max_loss_scale: the largest power of two at which no backward value overflows.
       suggested_loss_scale: the initial loss scale to use (`DynamicLossScale(loss_scale=...)`,
         `GradScaler(init_scale=...)`): `min_loss_scale` when it does not overflow, else
@@ -433,16 +433,16 @@ def _loss_scales(grads, scale: float):
     share = flushed / nonzero if nonzero else 0.0
     if not grads:
         return share, None, None, None
-    low = None
     high = None
     for k in SCALE_EXPONENTS:
-        factor = 2.0 ** k / scale
-        fits = all(float(p[0]) * factor <= float(jnp.finfo(s.dtype).max) for s, p in grads)
-        if fits:
+        if all(float(p[0]) * 2.0 ** k / scale <= float(jnp.finfo(s.dtype).max)
+               for s, p in grads):
             high = 2.0 ** k
-        if low is None and all(_flushed_share(s, p, factor) <= UNDERFLOW_TOLERANCE
-                               for s, p in grads):
-            low = 2.0 ** k
+    # Scales below 1 only where gradients overflow at 1.
+    start = 0 if high is None or high >= 1 else SCALE_EXPONENTS.start
+    low = next((2.0 ** k for k in range(start, SCALE_EXPONENTS.stop)
+                if all(_flushed_share(s, p, 2.0 ** k / scale) <= UNDERFLOW_TOLERANCE
+                       for s, p in grads)), None)
     suggested = low if low is not None and (high is None or low <= high) else high
     return share, low, high, suggested
 
