@@ -24,10 +24,9 @@ class _Flags(shadow.Probe):
     def wants(self, dtype: np.dtype) -> bool:
         return bool(jnp.issubdtype(dtype, jnp.floating))
 
-    def measure(self, site, low, shadow_values):
-        nan = jnp.any(jnp.stack([jnp.any(jnp.isnan(v)) for v in low]))
-        inf = jnp.any(jnp.stack([jnp.any(jnp.isinf(v)) for v in low]))
-        return nan, inf
+    def measure(self, sites, low, shadow_values):
+        values = low.reshape(low.shape[0], -1)
+        return jnp.any(jnp.isnan(values), axis=1), jnp.any(jnp.isinf(values), axis=1)
 
     def combine(self, a, b):
         return a[0] | b[0], a[1] | b[1]
@@ -111,7 +110,7 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
     def instrumented(consts, flat):
         return evaluator.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)[2]
 
-    flags = jax.device_get(jax.jit(instrumented)(list(closed.consts), made.args))
+    flags = jax.device_get(shadow.run_once(instrumented, list(closed.consts), made.args))
     found = []
     for key, (nan, inf) in flags.items():
         site = evaluator.sites[key]

@@ -7,8 +7,9 @@ or bfloat16 values is measured against that dtype on its shadow values: the larg
 (overflow when beyond the largest finite value), the share of nonzero values below the smallest
 normal (subnormal: precision lost) and below half the smallest subnormal (flushed to zero), the
 largest difference between the low run's value and the shadow's (the error rounding made so
-far), and, for the backward pass, a histogram of binary exponents from which the loss scales
-that keep gradients representable are read.
+far), and, for the backward pass, how many values would flush to zero at each loss scale
+2**k for k in `SCALE_EXPONENTS`, from which the loss scales that keep gradients
+representable are read.
 """
 
 from __future__ import annotations
@@ -37,43 +38,47 @@ UNDERFLOW_TOLERANCE = 1e-3
 UNDERFLOW_LISTED = 0.01
 # The loss scales considered: 2**k for k in this range.
 SCALE_EXPONENTS = range(-32, 65)
+# The scales whose underflow is counted (the smallest scale that keeps gradients representable
+# is looked for among them).
+UNDERFLOW_EXPONENTS = range(0, 32)
 # How often the proposed rules are checked by running the program again with them.
 RULE_ROUNDS = 3
-_EXPONENTS = 256  # float32's exponent field
 
 
 class _Measure(shadow.Probe):
-    """The report's probe: (largest |shadow|, nonzero, subnormal, flushed, largest |low -
-    shadow| where the low value is finite, non-finite low values, exponent histogram)."""
+    """The report's probe, per site: (largest |shadow|, nonzero, subnormal, flushed, largest
+    |low - shadow| where the low value is finite, non-finite low values, and for backward
+    sites the values that flush to zero at each loss scale 2**k of `UNDERFLOW_EXPONENTS`)."""
 
-    def __init__(self, histograms: bool):
-        self.histograms = histograms
+    def __init__(self, loss_scale: float | None):
+        self.loss_scale = loss_scale
 
-    def measure(self, site, low, shadow_values):
-        finfo = jnp.finfo(site.dtype)
-        tiny = np.float32(finfo.smallest_normal)
-        flush = np.float32(float(finfo.smallest_subnormal) / 2)
-        parts = []
-        for lo, sh in zip(low, shadow_values):
-            a = jnp.abs(sh.astype(jnp.float32))
-            a = jnp.where(jnp.isnan(a), 0.0, a)
-            nonzero = a > 0
-            finite = jnp.isfinite(lo)
-            diff = jnp.where(finite, jnp.abs(lo.astype(jnp.float32) - sh.astype(jnp.float32)),
-                             0.0)
-            hist = jnp.zeros((0,), jnp.int32)
-            if self.histograms and site.backward:
-                bits = lax.bitcast_convert_type(a, jnp.uint32)
-                exponent = ((bits >> 23) & 0xFF).astype(jnp.int32)
-                hist = jnp.zeros((_EXPONENTS,), jnp.int32).at[exponent.ravel()].add(
-                    nonzero.ravel().astype(jnp.int32))
-            parts.append((jnp.max(a, initial=0.0), _count(nonzero), _count(nonzero & (a < tiny)),
-                          _count(nonzero & (a < flush)), jnp.max(diff, initial=0.0),
-                          _count(~finite), hist))
-        out = parts[0]
-        for more in parts[1:]:
-            out = self.combine(out, more)
-        return out
+    def measure(self, sites, low, shadow_values):
+        finfo = jnp.finfo(low.dtype)
+        rows = low.shape[0]
+        lo = low.reshape(rows, -1)
+        sh = shadow_values.reshape(rows, -1).astype(jnp.float32)
+        a = jnp.abs(sh)
+        a = jnp.where(jnp.isnan(a), 0.0, a)
+        finite = jnp.isfinite(lo)
+        diff = jnp.where(finite, jnp.abs(lo.astype(jnp.float32) - sh), 0.0)
+        nonzero = a > 0
+        as_int = lambda mask: mask.astype(jnp.int32)
+        flush = float(finfo.smallest_subnormal) / 2
+        operands = [a, as_int(nonzero), as_int(nonzero & (a < np.float32(finfo.smallest_normal))),
+                    as_int(nonzero & (a < np.float32(flush))), diff, as_int(~finite)]
+        scaled = self.loss_scale is not None and sites[0].backward
+        if scaled:
+            # At scale 2**k a value flushes below flush * loss_scale / 2**k of this run's.
+            operands += [as_int(nonzero & (a < np.float32(flush * self.loss_scale / 2.0 ** k)))
+                         for k in UNDERFLOW_EXPONENTS]
+        zero_f, zero_i = np.float32(0), np.int32(0)
+        init = [zero_f, zero_i, zero_i, zero_i, zero_f, zero_i]
+        init += [zero_i] * (len(operands) - len(init))
+        # One reduction computes them all: one loop over the values to compile, not one each.
+        out = lax.reduce(tuple(operands), tuple(init), _reduce_step, (1,))
+        counts = jnp.stack(out[6:], axis=1) if scaled else jnp.zeros((rows, 0), jnp.int32)
+        return (*out[:6], counts)
 
     def combine(self, a, b):
         return (jnp.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3],
@@ -86,8 +91,9 @@ class _Measure(shadow.Probe):
                 jnp.sum(stacked[6], axis=0))
 
 
-def _count(mask) -> jax.Array:
-    return jnp.sum(mask, dtype=jnp.int32)
+def _reduce_step(x, y):
+    return (jnp.maximum(x[0], y[0]), x[1] + y[1], x[2] + y[2], x[3] + y[3],
+            jnp.maximum(x[4], y[4]), *(p + q for p, q in zip(x[5:], y[5:])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +170,8 @@ class PrecisionReport:
       gradient_underflow: the share of the backward pass's nonzero half values that flush to
         zero at `loss_scale` (None without a backward pass).
       min_loss_scale: the smallest power of two at which every backward equation keeps all
-        but `UNDERFLOW_TOLERANCE` of its nonzero values from flushing to zero (None when none
-        up to 2**64 does); at least 1 unless gradients overflow at 1.
+        but `UNDERFLOW_TOLERANCE` of its nonzero values from flushing to zero, from 1 up to
+        2**31 (None when none of those does).
       max_loss_scale: the largest power of two at which no backward value overflows.
       suggested_loss_scale: the initial loss scale to use (`DynamicLossScale(loss_scale=...)`,
         `GradScaler(init_scale=...)`): `min_loss_scale` when it does not overflow, else
@@ -377,14 +383,14 @@ def _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums):
         made = programs.build(fn, args, kwargs, caller=caller, dtype=dtype,
                               device_type=device_type, rules=rules, loss_scale=loss_scale,
                               argnums=argnums)
-        evaluator = shadow.Evaluator(_Measure(histograms=made.backward))
+        evaluator = shadow.Evaluator(_Measure(made.loss_scale if made.backward else None))
         closed = made.closed
 
         def instrumented(consts, flat):
             low, sh, probes = evaluator.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)
             return low[:1], sh[:1], probes
 
-        low, sh, probes = jax.jit(instrumented)(list(closed.consts), made.args)
+        low, sh, probes = shadow.run_once(instrumented, list(closed.consts), made.args)
         probes = jax.device_get(probes)
         return _read(made, evaluator.sites, probes, low[0], sh[0])
     return run
@@ -427,7 +433,7 @@ def _finding(site: shadow.Site, probe, loss_scale: float) -> Finding:
 
 def _loss_scales(grads, scale: float):
     """(share flushed at `scale`, min, max and suggested loss scales) from the backward
-    equations' exponent histograms (see `PrecisionReport`)."""
+    equations' counts of values that flush at each scale (see `PrecisionReport`)."""
     flushed = sum(int(p[3]) for _, p in grads)
     nonzero = sum(int(p[1]) for _, p in grads)
     share = flushed / nonzero if nonzero else 0.0
@@ -438,24 +444,11 @@ def _loss_scales(grads, scale: float):
         if all(float(p[0]) * 2.0 ** k / scale <= float(jnp.finfo(s.dtype).max)
                for s, p in grads):
             high = 2.0 ** k
-    # Scales below 1 only where gradients overflow at 1.
-    start = 0 if high is None or high >= 1 else SCALE_EXPONENTS.start
-    low = next((2.0 ** k for k in range(start, SCALE_EXPONENTS.stop)
-                if all(_flushed_share(s, p, 2.0 ** k / scale) <= UNDERFLOW_TOLERANCE
-                       for s, p in grads)), None)
+    low = next((2.0 ** k for i, k in enumerate(UNDERFLOW_EXPONENTS)
+                if all(int(p[6][i]) <= UNDERFLOW_TOLERANCE * int(p[1]) for _, p in grads)),
+               None)
     suggested = low if low is not None and (high is None or low <= high) else high
     return share, low, high, suggested
-
-
-def _flushed_share(site: shadow.Site, probe, factor: float) -> float:
-    """The share of a backward equation's nonzero values that flush to zero with its values
-    multiplied by `factor`: bin e of the histogram holds magnitudes below 2**(e - 126)."""
-    hist, nonzero = np.asarray(probe[6]), int(probe[1])
-    if not nonzero:
-        return 0.0
-    threshold = math.log2(float(jnp.finfo(site.dtype).smallest_subnormal) / 2)
-    top = math.floor(threshold - math.log2(factor)) + 126  # bins wholly below the threshold
-    return float(hist[:max(0, min(top + 1, _EXPONENTS))].sum()) / nonzero
 
 
 _LIBRARIES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,

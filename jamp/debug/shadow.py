@@ -4,8 +4,10 @@
 traced into one `jax.jit` program. Every equation is bound twice: on the program's own values
 (the low run, float16 or bfloat16 where autocast put them) and, in the shadow, on float32
 values: the same equation with each half dtype of its operands and params widened to float32.
-After each equation that returns half values, a `Probe` reduces them to a few numbers
-(largest magnitude, counts of tiny values...), which leave the program as extra outputs. The
+The half values each equation returns are measured by a `Probe`, which reduces them to a few
+numbers (largest magnitude, counts of tiny values...) that leave the program as extra outputs.
+The values of equations of one shape and dtype are stacked and measured together, once per
+body: one reduction per shape rather than one per equation keeps the program small to compile. The
 shadow is what an ideal float32 run of the same program computes, so whether a value fits the
 half dtype is read from it, whatever XLA keeps in registers in the low run.
 
@@ -70,8 +72,9 @@ class Site:
 
 
 class Probe:
-    """What is measured at each site: `measure` returns a tuple of arrays, `combine` merges two
-    such tuples (two iterations, or a value and `neutral`)."""
+    """What is measured at each site: `measure` reduces the stacked values of sites of one
+    shape and dtype to a tuple of arrays with one row per site; `combine` merges two sites'
+    tuples (two results of one equation, two iterations, or a value and zeros)."""
 
     per_iteration = False
 
@@ -79,7 +82,8 @@ class Probe:
         """Whether results of `dtype` are probed."""
         return dtype in HALF
 
-    def measure(self, site: Site, low: Sequence[Any], shadow: Sequence[Any]) -> tuple:
+    def measure(self, sites: Sequence[Site], low: Any, shadow: Any) -> tuple:
+        """`low` and `shadow`: the sites' values stacked (one leading row per site)."""
         raise NotImplementedError
 
     def combine(self, a: tuple, b: tuple) -> tuple:
@@ -100,6 +104,7 @@ class _Level:
     backward: bool
     scans: tuple[int, ...]
     probes: dict
+    pending: list = dataclasses.field(default_factory=list)
 
 
 class Evaluator:
@@ -116,7 +121,7 @@ class Evaluator:
         level = _Level((), (), False, (), {})
         low, shadow = self._eval(closed.jaxpr, closed.consts, list(args),
                                  [self._widen(a) for a in args], level)
-        return low, shadow, level.probes
+        return low, shadow, self._collect(level)
 
     # -- values ----------------------------------------------------------------------------
 
@@ -154,7 +159,8 @@ class Evaluator:
             rule = _RULES.get(eqn.primitive.name)
             with jx.equation_context(eqn):
                 if rule is not None:
-                    inner = _Level(key, path, backward, level.scans, level.probes)
+                    inner = _Level(key, path, backward, level.scans, level.probes,
+                                   level.pending)
                     low_out, shadow_out = rule(self, eqn, low_in, shadow_in, inner)
                 elif jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
                     low_out = jx.bind(eqn, eqn.params, low_in)
@@ -196,8 +202,41 @@ class Evaluator:
             return
         site = Site(key, eqn, path, backward, np.dtype(half[0][0].aval.dtype), level.scans)
         self.sites[key] = site
-        level.probes[key] = self.probe.measure(site, [l for _, l, _ in half],
-                                               [s for _, _, s in half])
+        level.pending += [(site, lo, sh) for _, lo, sh in half]
+
+    def _collect(self, level: _Level) -> dict:
+        """Measures the values met in a body, stacked by shape and dtype; returns the body's
+        probes by site key."""
+        groups: dict = {}
+        for site, lo, sh in level.pending:
+            group = (lo.shape, np.dtype(lo.dtype), np.dtype(sh.dtype), site.backward)
+            groups.setdefault(group, []).append((site, lo, sh))
+        level.pending.clear()
+        for members in groups.values():
+            sites = [m[0] for m in members]
+            rows = self.probe.measure(sites, jnp.stack([m[1] for m in members]),
+                                      jnp.stack([m[2] for m in members]))
+            for i, site in enumerate(sites):
+                row = tuple(r[i] for r in rows)
+                known = level.probes.get(site.key)
+                level.probes[site.key] = row if known is None else \
+                    self.probe.combine(known, row)
+        return level.probes
+
+
+# The debugger's programs run once: XLA's backend optimizations would cost more time compiling
+# them than they save running them (and do not change the values computed).
+_RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def run_once(fn: Callable, *args):
+    """`jax.jit(fn)(*args)`, compiled for a single run."""
+    lowered = jax.jit(fn).lower(*args)
+    try:
+        compiled = lowered.compile(_RUN_ONCE_OPTIONS)
+    except TypeError:  # a jax whose `compile` takes no options
+        compiled = lowered.compile()
+    return compiled(*args)
 
 
 def _dtype(aval) -> np.dtype | None:
@@ -255,7 +294,7 @@ def _scan(ev: Evaluator, eqn, low_in, shadow_in, level: _Level):
         low, shadow = ev._eval(body.jaxpr, body.consts, [*low_c, *low_carry, *low_x],
                                [*sh_c, *shadow_carry, *shadow_x], inner)
         return ((low[:num_carry], _like(shadow[:num_carry], shadow_carry)),
-                (low[num_carry:], shadow[num_carry:], inner.probes))
+                (low[num_carry:], shadow[num_carry:], ev._collect(inner)))
 
     (low_carry, shadow_carry), (low_ys, shadow_ys, probes) = lax.scan(
         step, (low_init, sh_init), (low_xs, sh_xs), **options)
@@ -287,7 +326,7 @@ def _while(ev: Evaluator, eqn, low_in, shadow_in, level: _Level):
         inner = _sub_level(level)
         low, shadow = ev._eval(body.jaxpr, body.consts, [*low_bc, *low_carry],
                                [*sh_bc, *shadow_carry], inner)
-        return low, _like(shadow, shadow_carry), inner.probes
+        return low, _like(shadow, shadow_carry), ev._collect(inner)
 
     # The probes' structure, from one abstract run of the body: the loop carries them.
     shapes = jax.eval_shape(lambda l, s: run_body(l, s)[2], low_init, sh_init)
@@ -316,7 +355,7 @@ def _cond(ev: Evaluator, eqn, low_in, shadow_in, level: _Level):
             inner = _sub_level(level)
             closed = branches[k]
             lo, sh = ev._eval(closed.jaxpr, closed.consts, list(low), list(shadow), inner)
-            return lo, sh, inner.probes
+            return lo, sh, ev._collect(inner)
         return run
 
     shapes = [jax.eval_shape(branch_fn(k), low_ops, shadow_ops) for k in range(len(branches))]
