@@ -245,6 +245,10 @@ class PrecisionReport:
                 f"gradients: {self.gradient_underflow:.2%} of nonzero values flush to zero at "
                 f"this scale; representable from {_power(self.min_loss_scale)}, overflow above "
                 f"{_power(self.max_loss_scale)}")
+        if self.rules and not self.rules_checked:
+            lines.append("these rules did not remove every overflow when the program ran again "
+                         "with them: a `with jamp.autocast(...)` region opened inside a moved "
+                         "module keeps its own dtype (the rules apply where a module begins)")
         if self.unplaced:
             lines.append(f"{len(self.unplaced)} overflow(s) outside every module: wrap that "
                          "code in a module or `jax.named_scope`, or in `with "
