@@ -331,17 +331,17 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
         `loss_scale` that is not positive and finite.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from jamp.debug import precision_report
       >>> def loss(w, x):
       ...     with jax.named_scope("energy"):
-      ...         h = (x * 1e3) @ w           # float16 under autocast: 4e5 overflows
+      ...         h = (x * 1e3) @ w           # float16 under autocast: 1e5 overflows
       ...     return jnp.mean(h.astype(jnp.float32) ** 2) * 1e-9
-      >>> import jax
       >>> w, x = jnp.ones((4, 4)), jnp.full((2, 4), 100.0)
       >>> report = precision_report(loss, w, x, dtype=jnp.float16, device_type="cuda")
-      >>> [(f.kind, f.module, f.primitive) for f in report.overflows][:1]
-      [('overflow', 'energy', 'dot_general')]
+      >>> first = report.overflows[0]
+      >>> first.module, first.pass_name, first.code
+      ('energy', 'forward', 'h = (x * 1e3) @ w           # float16 under autocast: 1e5 overflows')
       >>> report.rules
       [('/energy', <class 'jax.numpy.float32'>)]
     """
