@@ -69,8 +69,10 @@ def checked_loss_scale(loss_scale: Any, caller: str) -> float | None:
 
 
 def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
-          device_type: Any, rules: Any, loss_scale: Any, argnums: Any) -> Program:
-    """Traces `fn` under autocast, with its backward pass when it returns a floating scalar."""
+          device_type: Any, rules: Any, loss_scale: Any, argnums: Any,
+          backward: bool = True) -> Program:
+    """Traces `fn` under autocast, with its backward pass when it returns a floating scalar
+    (and `backward`)."""
     checked_function(fn, caller)
     low, device = settings(caller, dtype, device_type)
     precision_rules.checked_rules(rules)
@@ -78,7 +80,7 @@ def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
     bound = functools.partial(fn, **kwargs) if kwargs else fn
     low_fn = autocast(bound, dtype=low, device_type=device, rules=rules)
     out = jax.eval_shape(low_fn, *args)
-    backward = (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+    backward = (backward and isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
                 and jnp.issubdtype(out.dtype, jnp.floating))
     if backward:
         used = 1.0 if scale is None else scale

@@ -28,6 +28,7 @@ from jax import lax
 from jamp import _jax_internals as jx
 from jamp.debug import program as programs
 from jamp.debug import shadow
+from jamp.transforms import rules as precision_rules
 from jamp.transforms.rules import module_pattern
 
 TOP_LEVEL = "(top level)"
@@ -358,7 +359,8 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
         if not added:
             break
         proposed += [(module_pattern(p), jnp.float32) for p in added]
-        current = run(proposed + list(rules or []))
+        # Only the forward pass can tell: its overflows are the ones the rules move.
+        current = run(proposed + list(precision_rules.checked_rules(rules)), backward=False)
         if not _forward_overflows(current.findings):
             checked = True
             break
@@ -383,10 +385,10 @@ def _narrowest(paths: Sequence[tuple[str, ...]], existing: Sequence[str]) -> lis
 def _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums):
     """A function of the rules that builds the program, runs it with its shadow and reads the
     findings."""
-    def run(rules) -> PrecisionReport:
+    def run(rules, backward: bool = True) -> PrecisionReport:
         made = programs.build(fn, args, kwargs, caller=caller, dtype=dtype,
                               device_type=device_type, rules=rules, loss_scale=loss_scale,
-                              argnums=argnums)
+                              argnums=argnums, backward=backward)
         evaluator = shadow.Evaluator(_Measure(made.loss_scale if made.backward else None))
         closed = made.closed
 
@@ -402,8 +404,7 @@ def _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums):
 
 def _read(made: programs.Program, sites: dict, probes: dict, low_out, shadow_out
           ) -> PrecisionReport:
-    findings = [_finding(sites[key], probes[key], made.loss_scale)
-                for key in sorted(probes)]
+    findings = [_finding(sites[key], probes[key]) for key in sorted(probes)]
     scalar = made.backward
     overflows = [f for f in findings if f.kind == "overflow"]
     underflows = sorted((f for f in findings if f.kind == "underflow"),
@@ -418,7 +419,7 @@ def _read(made: programs.Program, sites: dict, probes: dict, low_out, shadow_out
         min_loss_scale=scales[1], max_loss_scale=scales[2], suggested_loss_scale=scales[3])
 
 
-def _finding(site: shadow.Site, probe, loss_scale: float) -> Finding:
+def _finding(site: shadow.Site, probe) -> Finding:
     max_abs, nonzero, subnormal, flushed, diff, nonfinite, _ = probe
     max_abs, nonzero = float(max_abs), int(nonzero)
     finfo = jnp.finfo(site.dtype)
