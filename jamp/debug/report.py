@@ -200,13 +200,16 @@ class PrecisionReport:
     def summary(self) -> str:
         """One line: which modules overflow in the forward pass (and the rules that move them),
         whether gradients overflow, and the suggested initial loss scale."""
-        modules = sorted({f.module for f in self.overflows if not f.backward})
+        modules = sorted({f.module for f in self.overflows if not f.backward and f.path})
         if modules:
             parts = [f"{', '.join(modules)} overflow{'s' if len(modules) == 1 else ''} "
                      f"{self.dtype}; rules={_rules_text(self.rules)}"]
         else:
             parts = [f"no module overflows {self.dtype}" + (
                 " at this scale" if self.loss_scale is not None else "")]
+        if self.unplaced:
+            parts.append(f"{len(self.unplaced)} equation(s) outside every module overflow "
+                         f"{self.dtype}")
         backward = [f for f in self.overflows if f.backward]
         if backward:
             parts.append(f"{len(backward)} backward equation(s) overflow at loss scale "
@@ -258,7 +261,7 @@ class PrecisionReport:
                   "where", "code")
         rows = [_cells(i + 1, f.kind, f) for i, f in enumerate(self.problems[:limit])]
         lines += ["", *_columns([header, *rows], len(self.problems) - len(rows))]
-        worst = sorted((f for f in self.findings if math.isfinite(f.error)),
+        worst = sorted((f for f in self.findings if math.isfinite(f.error) and f.error > 0),
                        key=lambda f: -f.error)[:5 if limit is None else min(5, limit)]
         lines += ["", "largest rounding errors (relative to the value's magnitude):",
                   *_columns([header, *[_cells(i + 1, "rounding", f)
