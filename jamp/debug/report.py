@@ -430,7 +430,7 @@ def _finding(site: shadow.Site, probe) -> Finding:
     underflow = int(flushed) / nonzero if nonzero else 0.0
     kind = "overflow" if max_abs > largest else (
         "underflow" if underflow >= UNDERFLOW_LISTED else "")
-    location, code = _source(site.eqn)
+    location, code = source(site.eqn)
     return Finding(
         kind=kind, primitive=site.eqn.primitive.name, location=location, code=code,
         module="/".join(site.path) or TOP_LEVEL, path=site.path, backward=site.backward,
@@ -474,5 +474,3 @@ def source(eqn) -> tuple[str, str]:
     file, line, _ = chosen
     return f"{file}:{line}", linecache.getline(file, line).strip()
 
-
-_source = source

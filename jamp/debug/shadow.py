@@ -90,6 +90,7 @@ class Probe:
         raise NotImplementedError
 
     def over_iterations(self, stacked: tuple) -> tuple:
+        """One site's probes of every iteration of a scan (a leading axis) as one."""
         raise NotImplementedError
 
 
