@@ -43,7 +43,7 @@ test: $(VENV)/.installed-test
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
 	$(PIP) install -e '.[bench]'
-	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py && ../$(PY) anomaly_overhead.py
+	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py && ../$(PY) anomaly_overhead.py && ../$(PY) precision_report_cost.py
 
 clean:
 	rm -rf .venv .venv-* build *.egg-info

@@ -15,7 +15,8 @@ per run, then a table (train and validation loss, skipped steps, median step tim
 the params and of the optimizer's master weights, the dtypes of the matmuls of the compiled
 training step, read from its StableHLO, and the share of its matmul FLOPs in half precision,
 from `jamp.profile.amp_report`), a PNG plot of the loss and the loss scale per step, and what
-the numbers say.
+the numbers say. A closing line is `jamp.debug.precision_report`'s on one small batch: whether
+any module overflows float16 and the initial loss scale it suggests.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import optax
 from tqdm import tqdm
 
 import jamp
+from jamp.debug import precision_report
 from models import ByteGPT, next_byte_loss
 from text_data import batches, load_corpus, split
 
@@ -389,6 +391,12 @@ def main():
         print(f"  * {line}")
     plot(results, o3_float16, args.out)
     print(f"\nPlot of the loss and the loss scale per step: {args.out}")
+    # One look at float16 itself: where it would overflow or flush on one small batch.
+    report = precision_report(float32_loss(model.apply), variables["params"],
+                              next(batches(data[0], 2, args.seq, seed=2)), dtype=jnp.float16,
+                              device_type="cuda", loss_scale=2.0 ** 15)
+    print(f"\nPrecision report (jamp.debug) of the float16 autocast step at loss scale 2^15, "
+          f"one batch: {report.summary()}")
 
 
 if __name__ == "__main__":

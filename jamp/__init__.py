@@ -28,7 +28,7 @@ from jamp.scaler import (
     select_tree,
 )
 from jamp.transforms import autocast, custom_bwd, custom_fwd
-from jamp import autograd, frontend, profile
+from jamp import autograd, debug, frontend, profile
 from jamp.frontend import (
     MasterWeightsState,
     checkpoint_from_bytes,
@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "all_finite", "autocast", "autograd", "cast_to_full", "cast_to_half", "checkpoint_from_bytes",
-    "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "DynamicLossScale", "DynamicScale",
+    "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "debug", "DynamicLossScale", "DynamicScale",
     "DynamicScaleResult", "frontend", "get_loss_scale", "get_policy", "GradScaler", "half_dtype",
     "initialize", "load_state_dict", "loss_scaled", "master_params", "master_weights",
     "MasterWeightsState", "NoOpLossScale", "Policy", "policy", "profile", "Properties",

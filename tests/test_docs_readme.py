@@ -75,6 +75,18 @@ def _rules(ns):
     assert dots == [jnp.float16, jnp.float32] and ns["logits"].dtype == jnp.float32
 
 
+def _debugging(ns):
+    report = ns["report"]
+    assert [p for p, _ in report.rules] == ["/Net/hot"] and report.rules_checked
+    assert report.summary().startswith("Net/hot overflows float16; rules=[('/Net/hot', "
+                                       "jnp.float32)]")
+    assert np.isfinite(ns["value"])
+    assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(ns["grads"]))
+    found = ns["first_nonfinite"](ns["loss"], ns["variables"], ns["x"], dtype=jnp.float16,
+                                  device_type="cuda")
+    assert found.module == "Net/hot" and "x * 1e3" in found.code
+
+
 CHECKS = {
     "def step(": _tour,
     "jamp.get_policy(": _policy,
@@ -83,6 +95,7 @@ CHECKS = {
     "jamp.autocast(enabled=False)": _region,
     '("BatchNorm_*", jnp.float32)': _rules,
     "report = amp_report(step": _profile,
+    "precision_report(loss, variables": _debugging,
 }
 
 

@@ -44,7 +44,7 @@ def test_the_readme_version_table_states_the_same_jax_range_and_why():
     assert "_jax_internals.py" in row  # the reason for the cap is stated beside it
 
 
-PACKAGES = ["jamp", "jamp.autograd", "jamp.frontend", "jamp.policy", "jamp.profile",
+PACKAGES = ["jamp", "jamp.autograd", "jamp.debug", "jamp.frontend", "jamp.policy", "jamp.profile",
             "jamp.scaler", "jamp.transforms"]
 
 

@@ -71,6 +71,10 @@ def test_demo_trains_every_level_and_reports(tmp_path):
     assert set(converts) == set(rows) and int(converts["O1"]) > 0
 
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    closing = re.search(r"^Precision report \(jamp\.debug\) of the float16 autocast step at loss "
+                        r"scale 2\^15, one batch: (.*)$", out, re.M)
+    assert closing is not None
+    assert re.search(r"(overflow|suggested initial loss scale 2\^-?\d+)", closing.group(1))
 
 
 @needs_examples_extra("tqdm")
