@@ -110,7 +110,8 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
     def instrumented(consts, flat):
         return evaluator.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)[2]
 
-    flags = jax.device_get(shadow.run_once(instrumented, list(closed.consts), made.args))
+    flags = evaluator.by_site(jax.device_get(
+        shadow.run_once(instrumented, list(closed.consts), made.args)))
     found = []
     for key, (nan, inf) in flags.items():
         site = evaluator.sites[key]

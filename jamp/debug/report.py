@@ -49,7 +49,8 @@ RULE_ROUNDS = 3
 class _Measure(shadow.Probe):
     """The report's probe, per site: (largest |shadow|, nonzero, subnormal, flushed, largest
     |low - shadow| where the low value is finite, non-finite low values, and for backward
-    sites the values that flush to zero at each loss scale 2**k of `UNDERFLOW_EXPONENTS`)."""
+    sites a histogram of how many loss scales 2**k of `UNDERFLOW_EXPONENTS` each value
+    flushes to zero at: `_flush_histogram`)."""
 
     def __init__(self, loss_scale: float | None):
         self.loss_scale = loss_scale
@@ -68,18 +69,15 @@ class _Measure(shadow.Probe):
         flush = float(finfo.smallest_subnormal) / 2
         operands = [a, as_int(nonzero), as_int(nonzero & (a < np.float32(finfo.smallest_normal))),
                     as_int(nonzero & (a < np.float32(flush))), diff, as_int(~finite)]
-        scaled = self.loss_scale is not None and sites[0].backward
-        if scaled:
-            # At scale 2**k a value flushes below flush * loss_scale / 2**k of this run's.
-            operands += [as_int(nonzero & (a < np.float32(flush * self.loss_scale / 2.0 ** k)))
-                         for k in UNDERFLOW_EXPONENTS]
         zero_f, zero_i = np.float32(0), np.int32(0)
-        init = [zero_f, zero_i, zero_i, zero_i, zero_f, zero_i]
-        init += [zero_i] * (len(operands) - len(init))
         # One reduction computes them all: one loop over the values to compile, not one each.
-        out = lax.reduce(tuple(operands), tuple(init), _reduce_step, (1,))
-        counts = jnp.stack(out[6:], axis=1) if scaled else jnp.zeros((rows, 0), jnp.int32)
-        return (*out[:6], counts)
+        out = lax.reduce(tuple(operands), (zero_f, zero_i, zero_i, zero_i, zero_f, zero_i),
+                         _reduce_step, (1,))
+        if self.loss_scale is not None and sites[0].backward:
+            counts = _flush_histogram(a, nonzero, flush * self.loss_scale)
+        else:
+            counts = jnp.zeros((rows, 0), jnp.int32)
+        return (*out, counts)
 
     def combine(self, a, b):
         return (jnp.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3],
@@ -94,7 +92,34 @@ class _Measure(shadow.Probe):
 
 def _reduce_step(x, y):
     return (jnp.maximum(x[0], y[0]), x[1] + y[1], x[2] + y[2], x[3] + y[3],
-            jnp.maximum(x[4], y[4]), *(p + q for p, q in zip(x[5:], y[5:])))
+            jnp.maximum(x[4], y[4]), x[5] + y[5])
+
+
+def _flush_histogram(magnitudes, nonzero, threshold: float):
+    """Per row, a histogram of how many of the loss scales 2**0 ... 2**(n-1) each nonzero
+    value flushes to zero at (n = len(UNDERFLOW_EXPONENTS); a value flushes at 2**k when it is
+    below `threshold` / 2**k): column j counts the values that flush at exactly j of them, so
+    the values flushing at scale 2**k are the sum of the columns after k (`_flush_counts`).
+
+    A value below the threshold by a factor in [2**(j-1), 2**j) flushes at the scales 2**0
+    ... 2**(j-1): one binary exponent per value gives its column, where a comparison per scale
+    would make the program longer to compile by a reduction per scale.
+    """
+    rows = magnitudes.shape[0]
+    n = len(UNDERFLOW_EXPONENTS)
+    ratio = jnp.minimum(magnitudes / np.float32(threshold), 2.0)  # >= 1: flushes at no scale
+    # float32's biased exponent: ratio in [2**(e - 127), 2**(e - 126)) flushes at 127 - e
+    # scales (a subnormal ratio, e = 0, at all of them).
+    biased = lax.shift_right_logical(lax.bitcast_convert_type(ratio, jnp.int32), 23)
+    column = jnp.where(nonzero, jnp.clip(127 - biased, 0, n), 0)
+    row = jnp.broadcast_to(jnp.arange(rows)[:, None], column.shape)
+    return jnp.zeros((rows, n + 1), jnp.int32).at[row, column].add(1)
+
+
+def _flush_counts(histogram) -> np.ndarray:
+    """From `_flush_histogram`'s columns, how many values flush at each scale 2**k."""
+    histogram = np.asarray(histogram)
+    return np.cumsum(histogram[..., :0:-1], axis=-1)[..., ::-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,7 +425,7 @@ def _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums):
             return low[:1], sh[:1], probes
 
         low, sh, probes = shadow.run_once(instrumented, list(closed.consts), made.args)
-        probes = jax.device_get(probes)
+        probes = evaluator.by_site(jax.device_get(probes))
         return _read(made, evaluator.sites, probes, low[0], sh[0])
     return run
 
@@ -452,9 +477,9 @@ def _loss_scales(grads, scale: float):
         if all(float(p[0]) * 2.0 ** k / scale <= float(jnp.finfo(s.dtype).max)
                for s, p in grads):
             high = 2.0 ** k
+    counts = [(_flush_counts(p[6]), int(p[1])) for _, p in grads]
     low = next((2.0 ** k for i, k in enumerate(UNDERFLOW_EXPONENTS)
-                if all(int(p[6][i]) <= UNDERFLOW_TOLERANCE * int(p[1]) for _, p in grads)),
-               None)
+                if all(c[i] <= UNDERFLOW_TOLERANCE * nonzero for c, nonzero in counts)), None)
     suggested = low if low is not None and (high is None or low <= high) else high
     return share, low, high, suggested
 

@@ -115,10 +115,12 @@ class Evaluator:
         self.probe = probe
         self.shadow = shadow
         self.sites: dict[tuple[int, ...], Site] = {}
+        # Where each site's probes are: (group, row) pairs (see `_collect`).
+        self.rows: dict[tuple[int, ...], dict] = {}
 
     def run(self, closed: jx.ClosedJaxpr, args: Sequence[Any]) -> tuple[list, list, dict]:
-        """(low outputs, shadow outputs, probes by site key) of `closed` on `args`, to be
-        called while tracing (inside `jax.jit`)."""
+        """(low outputs, shadow outputs, probes by group) of `closed` on `args`, to be called
+        while tracing (inside `jax.jit`); `by_site` reads each site's probes from the run's."""
         level = _Level((), (), False, (), {})
         low, shadow = self._eval(closed.jaxpr, closed.consts, list(args),
                                  [self._widen(a) for a in args], level)
@@ -203,26 +205,39 @@ class Evaluator:
             return
         site = Site(key, eqn, path, backward, np.dtype(half[0][0].aval.dtype), level.scans)
         self.sites[key] = site
-        level.pending += [(site, lo, sh) for _, lo, sh in half]
+        level.pending += [(site, j, lo, sh) for j, (_, lo, sh) in enumerate(half)]
 
     def _collect(self, level: _Level) -> dict:
         """Measures the values met in a body, stacked by shape and dtype; returns the body's
-        probes by site key."""
+        probes by group (see `by_site` for each site's)."""
         groups: dict = {}
-        for site, lo, sh in level.pending:
+        for site, j, lo, sh in level.pending:
             group = (lo.shape, np.dtype(lo.dtype), np.dtype(sh.dtype), site.backward)
-            groups.setdefault(group, []).append((site, lo, sh))
+            groups.setdefault(group, []).append((site, j, lo, sh))
         level.pending.clear()
         for members in groups.values():
             sites = [m[0] for m in members]
-            rows = self.probe.measure(sites, jnp.stack([m[1] for m in members]),
-                                      jnp.stack([m[2] for m in members]))
+            # A group is named by its first member (a site and which of its results): the
+            # same name when a body is traced again (a while loop's or a branch's shapes
+            # first), and no one else's.
+            name = (*sites[0].key, -1 - members[0][1])
             for i, site in enumerate(sites):
-                row = tuple(r[i] for r in rows)
-                known = level.probes.get(site.key)
-                level.probes[site.key] = row if known is None else \
-                    self.probe.combine(known, row)
+                self.rows.setdefault(site.key, {})[(name, i)] = None
+            level.probes[name] = self.probe.measure(sites, jnp.stack([m[2] for m in members]),
+                                                    jnp.stack([m[3] for m in members]))
         return level.probes
+
+    def by_site(self, probes: dict) -> dict[tuple[int, ...], tuple]:
+        """Each site's probes, by site key, from a run's probes by group (fetched to the host):
+        one row of its group's (after the iteration axes of the scans around it, for a probe
+        kept `per_iteration`), combined over the site's results."""
+        out = {}
+        for key, rows in self.rows.items():
+            axis = len(self.sites[key].scans) if self.probe.per_iteration else 0
+            for name, i in rows:
+                row = tuple(np.take(field, i, axis=axis) for field in probes[name])
+                out[key] = row if key not in out else self.probe.combine(out[key], row)
+        return out
 
 
 # The debugger's programs run once: XLA's backend optimizations would cost more time compiling
@@ -276,9 +291,11 @@ def _inline(ev: Evaluator, eqn, low_in, shadow_in, level: _Level):
     return ev._eval(body.jaxpr, body.consts, low_in, shadow_in, level)
 
 
-def _sub_level(level: _Level, scan: bool = False) -> _Level:
+def _sub_level(level: _Level, scan: bool = False, branch: int | None = None) -> _Level:
     scans = (*level.scans, len(level.key)) if scan else level.scans
-    return _Level(level.key, level.path, level.backward, scans, {})
+    # The equations of a cond's branches are told apart by the branch's index in their keys.
+    key = level.key if branch is None else (*level.key, branch)
+    return _Level(key, level.path, level.backward, scans, {})
 
 
 def _scan(ev: Evaluator, eqn, low_in, shadow_in, level: _Level):
@@ -353,7 +370,7 @@ def _cond(ev: Evaluator, eqn, low_in, shadow_in, level: _Level):
 
     def branch_fn(k):
         def run(low, shadow):
-            inner = _sub_level(level)
+            inner = _sub_level(level, branch=k)
             closed = branches[k]
             lo, sh = ev._eval(closed.jaxpr, closed.consts, list(low), list(shadow), inner)
             return lo, sh, ev._collect(inner)
