@@ -23,7 +23,7 @@ import warnings
 import jax
 
 from jamp.autograd.anomaly_mode import anomaly_checked, detect_anomaly
-from common import TransformerStack, next_token_loss, print_ratios, time_side_by_side
+from common import print_ratios, time_side_by_side, train_step_arguments, transformer_problem
 
 BASELINE = "plain step"
 UNMARKED = "step inside detect_anomaly()"
@@ -42,25 +42,9 @@ def sgd_step(loss):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller model")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=None, help="layers (4; 2 with --quick)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=1)
+    train_step_arguments(parser, rounds=100)
     args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps = 3, 3
-    if args.depth is None:
-        args.depth = 2 if args.quick else 4
-
-    model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
-    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 256)
-    params = model.init(jax.random.key(0), tokens)
-
-    def loss(params, tokens):
-        return next_token_loss(model.apply(params, tokens), tokens)
+    loss, params, tokens = transformer_problem(args)
 
     warnings.filterwarnings("ignore", "jamp anomaly detection is on")
     block = detect_anomaly()

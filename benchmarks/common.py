@@ -59,6 +59,35 @@ class TransformerStack(nn.Module):
         return nn.Dense(self.vocab, **kw)(x).astype(jnp.float32)
 
 
+def train_step_arguments(parser, rounds: int):
+    """Adds the options of the benchmarks that time a train step of `TransformerStack`:
+    --quick, --width, --depth, --batch, --seq, --rounds (default `rounds`), --steps."""
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller model")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=None, help="layers (4; 2 with --quick)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=1)
+
+
+def transformer_problem(args):
+    """(loss, params, tokens) of the `TransformerStack` the options describe (`--quick`
+    settles the rounds, steps and depth it leaves open)."""
+    if args.quick:
+        args.rounds, args.steps = 3, 3
+    if args.depth is None:
+        args.depth = 2 if args.quick else 4
+    model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
+    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 256)
+    params = model.init(jax.random.key(0), tokens)
+
+    def loss(params, tokens):
+        return next_token_loss(model.apply(params, tokens), tokens)
+
+    return loss, params, tokens
+
+
 def next_token_loss(logits, tokens):
     """Mean cross-entropy of predicting token t+1 from the logits at t."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))

@@ -27,7 +27,7 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 
 import jamp
-from common import TransformerStack, next_token_loss, print_ratios, time_side_by_side
+from common import print_ratios, time_side_by_side, train_step_arguments, transformer_problem
 
 
 def build_steps(loss, adam, donate=False):
@@ -86,30 +86,14 @@ def build_steps(loss, adam, donate=False):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller model")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=None, help="layers (4; 2 with --quick)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
     # Many short rounds: one step of each candidate per round keeps the two sides of a paired
     # ratio a few milliseconds apart, and 500 of them narrow the median's 95% interval to about
     # +-1% on a noisy shared machine (41 rounds of 3 steps gave medians from x0.99 to x1.05).
-    parser.add_argument("--rounds", type=int, default=500)
-    parser.add_argument("--steps", type=int, default=1)
+    train_step_arguments(parser, rounds=500)
     parser.add_argument("--donate", action="store_true",
                         help="donate params and optimizer state to the jitted steps")
     args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps = 3, 3
-    if args.depth is None:
-        args.depth = 2 if args.quick else 4
-
-    model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
-    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 256)
-    init_params = model.init(jax.random.key(0), tokens)
-
-    def loss(params, tokens):
-        return next_token_loss(model.apply(params, tokens), tokens)
+    loss, init_params, tokens = transformer_problem(args)
 
     adam = optax.adam(1e-3)
     candidates = {}

@@ -45,28 +45,28 @@ def test_paired_ratios_divide_round_by_round():
     assert ratios == {"base": [1.0, 1.0], "other": [1.5, 1.0]}
 
 
-def test_scaler_overhead_prints_every_ratio():
+def quick_ratios(script: str) -> tuple[dict[str, str], str]:
+    """Runs a train-step benchmark small; its (candidate: ratio) rows and its output."""
     result = subprocess.run(
-        [sys.executable, "scaler_overhead.py", "--quick", "--width", "32", "--depth", "1",
-         "--seq", "16"],
+        [sys.executable, script, "--quick", "--width", "32", "--depth", "1", "--seq", "16"],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    rows = dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M))
+    return dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M)), \
+        result.stdout
+
+
+def test_scaler_overhead_prints_every_ratio():
+    rows, out = quick_ratios("scaler_overhead.py")
     assert list(rows) == ["optax.adam (no scaling)", "jamp.loss_scaled(adam)",
                           "jamp.loss_scaled(adam, skip='cond')", "optax.apply_if_finite(adam)",
                           "flax DynamicScale + adam"]
     assert float(rows["optax.adam (no scaling)"]) == 1.0
     assert all(float(r) > 0 for r in rows.values())
-    assert "(target <= 1.03: " in result.stdout
+    assert "(target <= 1.03: " in out
 
 
 def test_anomaly_overhead_prints_every_ratio():
-    result = subprocess.run(
-        [sys.executable, "anomaly_overhead.py", "--quick", "--width", "32", "--depth", "1",
-         "--seq", "16"],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    rows = dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M))
+    rows, _ = quick_ratios("anomaly_overhead.py")
     assert list(rows) == ["plain step", "step inside detect_anomaly()",
                           "anomaly_checked loss in detect_anomaly()"]
     assert float(rows["plain step"]) == 1.0
