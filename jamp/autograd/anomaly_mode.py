@@ -37,7 +37,8 @@ op and raises `FloatingPointError` at the primitive that made it. For a backward
 `jax.jit` that error names the primitive only; a `with` block keeps JAX's frames in the
 error's traceback while it is on, and on leaving adds the traceback of the forward call (the
 source info of the equation JAX was evaluating) as a note, then filters the traceback as JAX
-would have. Functions marked `anomaly_checked` are evaluated with JAX's checks off: jamp's own
+would have, and raises the error as a `FloatingPointAnomalyError` (torch's anomaly errors are
+`RuntimeError`s). Functions marked `anomaly_checked` are evaluated with JAX's checks off: jamp's own
 checks, with their richer report, see every value there first.
 
 Forward mode: JAX refuses `jax.jvp` through a `jax.custom_vjp`, so where forward-mode
@@ -63,7 +64,7 @@ import numpy as np
 from jamp._checks import check_bool
 from jamp import _jax_internals as jx
 
-__all__ = ["AnomalyError", "anomaly_checked", "detect_anomaly", "is_anomaly_check_nan_enabled",
+__all__ = ["AnomalyError", "FloatingPointAnomalyError", "anomaly_checked", "detect_anomaly", "is_anomaly_check_nan_enabled",
            "is_anomaly_enabled", "set_detect_anomaly"]
 
 _JAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -74,6 +75,14 @@ class AnomalyError(RuntimeError):
     """A NaN (or, with `check_inf`, an infinity) produced inside a function checked by anomaly
     detection. The message names the primitive, the pass (forward or backward) and the user's
     forward line that caused it."""
+
+
+class FloatingPointAnomalyError(AnomalyError, FloatingPointError):
+    """JAX's `FloatingPointError` (from `jax_debug_nans` / `jax_debug_infs`) as it leaves a
+    `with detect_anomaly():` or `with set_detect_anomaly(True):` block: the same message, with
+    the user's forward line in a note, and a `RuntimeError` as torch's anomaly error is, so
+    `except RuntimeError`, `except AnomalyError` and `except FloatingPointError` all catch
+    it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +152,8 @@ class detect_anomaly:
     operation and of every compiled call, and raise `FloatingPointError` at the primitive
     that made a NaN, forward or backward, also under `jax.jit(jax.grad(f))`; leaving the block,
     that error gets a note "Traceback of forward call that caused the error" naming the user's
-    line (for a backward NaN, the forward line whose gradient made it). Functions wrapped in
+    line (for a backward NaN, the forward line whose gradient made it) and goes on as a
+    `FloatingPointAnomalyError`, a `RuntimeError` as torch's is. Functions wrapped in
     `anomaly_checked` are checked by jamp instead, with the report described above. The
     previous settings return when the block ends, also on an error. Under `jax.jit` only a
     compiled call's outputs are tested: a NaN that does not reach them (a forward value whose
@@ -193,8 +203,9 @@ class detect_anomaly:
 
     def __exit__(self, exc_type, error, tb) -> None:
         self._previous.pop().close()
-        if error is not None:
-            _name_the_source(error)
+        anomaly = None if error is None else _leave_with(error)
+        if anomaly is not None:
+            raise anomaly from None  # JAX's FloatingPointError, also a RuntimeError as torch's
 
 
 class set_detect_anomaly:
@@ -239,8 +250,9 @@ class set_detect_anomaly:
         jax.config.update(_MODE.name, mode)
         jax.config.update("jax_debug_nans", nan)
         jax.config.update("jax_debug_infs", inf)
-        if error is not None:
-            _name_the_source(error)
+        anomaly = None if error is None else _leave_with(error)
+        if anomaly is not None:
+            raise anomaly from None  # JAX's FloatingPointError, also a RuntimeError as torch's
 
 
 @contextlib.contextmanager
@@ -268,6 +280,20 @@ def _name_the_source(error: BaseException) -> None:
         if frames:
             _add_note(error, _format_frames(frames))
     jx.filter_traceback(error)
+
+
+def _leave_with(error: BaseException) -> FloatingPointAnomalyError | None:
+    """An error leaving an anomaly block, named at its source (`_name_the_source`): for JAX's
+    `FloatingPointError`, the `FloatingPointAnomalyError` to raise in its place (the same
+    message, notes and traceback), which torch users catch as the `RuntimeError` torch
+    raises."""
+    _name_the_source(error)
+    if type(error) is not FloatingPointError:
+        return None
+    anomaly = FloatingPointAnomalyError(*error.args)
+    anomaly.__notes__ = list(getattr(error, "__notes__", []))
+    anomaly._jamp_anomaly_noted = True
+    return anomaly.with_traceback(error.__traceback__)
 
 
 def _add_note(error: BaseException, note: str) -> None:
