@@ -43,14 +43,80 @@ def checked_function(fn: Any, caller: str) -> Callable:
     if not callable(fn):
         raise TypeError(f"{caller}'s first argument must be the function to examine (a loss "
                         f"or an apply function); got {fn!r} of type {type(fn).__name__}.")
+    transform = _autocast_transform(fn)
+    if transform is not None:
+        raise TypeError(
+            f"{caller} takes the function as you would hand it to jamp.autocast; got {fn!r}, "
+            f"already transformed by jamp.{transform}: pass the function it wraps, and its "
+            "dtype and device_type as the debugger's own (the debugger applies autocast "
+            "itself).")
     return fn
+
+
+def _autocast_transform(fn: Any) -> str | None:
+    """How `jamp.autocast` transformed `fn`, through partials and wrappers (`jax.jit`,
+    `functools.wraps`), or None when it did not."""
+    for _ in range(16):
+        found = getattr(fn, "__jamp_autocast__", None)
+        if isinstance(found, str):
+            return found
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif getattr(fn, "__wrapped__", None) is not None:
+            fn = fn.__wrapped__
+        else:
+            return None
+    return None
+
+
+def checked_argnums(argnums: Any, args: tuple, caller: str) -> tuple[int, ...]:
+    """`argnums` as a tuple of indices of `args`, checked: an int or a nonempty tuple of ints,
+    each in range for the positional arguments given."""
+    n = len(args)
+    items = argnums if isinstance(argnums, (tuple, list)) else (argnums,)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+               for i in items):
+        raise TypeError(f"{caller}'s argnums must be an int or a tuple of ints (the positions "
+                        f"of the arguments to differentiate); got argnums={argnums!r}.")
+    accepted = (f"from {-n} to {n - 1} for the {n} positional argument"
+                f"{'' if n == 1 else 's'} given" if n else "none: no positional argument given")
+    if not items:
+        raise ValueError(f"{caller}'s argnums={argnums!r} names no argument: expected an int "
+                         f"or a nonempty tuple of ints, positions {accepted}.")
+    if not all(-n <= int(i) < n for i in items):
+        raise ValueError(f"{caller}'s argnums={argnums!r} is out of range: expected positions "
+                         f"{accepted}.")
+    return tuple(int(i) % n for i in items)
+
+
+def _check_differentiable(argnums: Any, positions: tuple[int, ...], args: tuple,
+                          caller: str) -> None:
+    """The arguments `argnums` selects hold floats only (their gradients are taken)."""
+    for i in positions:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is None:
+                dtype = np.result_type(leaf) if isinstance(leaf, (int, float, complex)) \
+                    else None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+                where = f"argument {i}{jax.tree_util.keystr(path)}"
+                raise TypeError(
+                    f"{caller}'s argnums={argnums!r} takes the gradient with respect to "
+                    f"{where}, of dtype {dtype}: gradients are taken with respect to floating "
+                    "arguments only; choose argnums among those (integers and PRNG keys can "
+                    "be passed at other positions).")
 
 
 def settings(caller: str, dtype: Any, device_type: Any) -> tuple[np.dtype, str]:
     """The autocast (dtype, device type), checked: the dtype must be a half one."""
     device = canonical_device_type(jax.default_backend() if device_type is None
                                    else device_type)
-    low = autocast_table(device).default_dtype if dtype is None else check_autocast_dtype(dtype)
+    try:
+        low = autocast_table(device).default_dtype if dtype is None \
+            else check_autocast_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"{caller} checks a half precision: dtype={dtype!r} is not a "
+                         "half dtype; expected float16 or bfloat16.") from None
     if low == np.dtype(np.float32):
         raise ValueError(
             f"{caller} checks a half precision: dtype={dtype!r} is float32, which autocast "
@@ -77,12 +143,14 @@ def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
     low, device = settings(caller, dtype, device_type)
     precision_rules.checked_rules(rules)
     scale = checked_loss_scale(loss_scale, caller)
+    positions = checked_argnums(argnums, args, caller)
     bound = functools.partial(fn, **kwargs) if kwargs else fn
     low_fn = autocast(bound, dtype=low, device_type=device, rules=rules)
     out = jax.eval_shape(low_fn, *args)
     backward = (backward and isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
                 and jnp.issubdtype(out.dtype, jnp.floating))
     if backward:
+        _check_differentiable(argnums, positions, args, caller)
         used = 1.0 if scale is None else scale
 
         def program(*a):

@@ -355,9 +355,11 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
       the fixes it proposes.
 
     Raises:
-      TypeError: `fn` is not callable, or `loss_scale` is not a number.
+      TypeError: `fn` is not callable or is already transformed by `jamp.autocast`,
+        `loss_scale` is not a number, `argnums` is not an int or a tuple of ints, or it
+        selects an argument that is not floating (an integer, a PRNG key).
       ValueError: an unknown `dtype` or `device_type` (naming the accepted ones), a
-        `loss_scale` that is not positive and finite.
+        `loss_scale` that is not positive and finite, an `argnums` out of range.
 
     Example:
       >>> import jax, jax.numpy as jnp

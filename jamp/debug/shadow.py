@@ -132,8 +132,7 @@ class Evaluator:
         """The shadow of a low value: half values in float32."""
         if not self.shadow:
             return x
-        dtype = getattr(x, "dtype", None)
-        if dtype is None or np.dtype(dtype) not in HALF:
+        if _dtype(x) not in HALF:  # also keys and tokens, which have no numpy dtype
             return x
         return np.asarray(x, FLOAT32) if isinstance(x, (np.ndarray, np.generic)) else \
             lax.convert_element_type(x, FLOAT32)

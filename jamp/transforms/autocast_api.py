@@ -232,4 +232,6 @@ class AutocastRegion:
             with jax.named_scope(self.scope_name):
                 return program.run(call)
 
+        # What it is, for tools that take a function not yet transformed (`jamp.debug`).
+        transformed.__jamp_autocast__ = repr(self)
         return transformed
