@@ -532,7 +532,7 @@ def error_source(tb) -> list[tuple[str, int, str]]:
         if found is not None:
             equations.append(found)
         elif (_source_info.is_user_filename(frame.f_code.co_filename)
-              and not frame.f_code.co_filename.startswith(_JAMP_DIR)):
+              and not frame.f_code.co_filename.startswith(JAMP_DIR)):
             frames.append((frame.f_code.co_filename, tb.tb_lineno, frame.f_code.co_name))
             equations = []
         tb = tb.tb_next
@@ -544,7 +544,8 @@ def error_source(tb) -> list[tuple[str, int, str]]:
     return chain
 
 
-_JAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # jamp's own frames
+# jamp's own source files: their frames are never the user's line that a tool names.
+JAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def user_frames(eqn: JaxprEqn) -> list[tuple[str, int, str]]:

@@ -38,8 +38,8 @@ op and raises `FloatingPointError` at the primitive that made it. For a backward
 error's traceback while it is on, and on leaving adds the traceback of the forward call (the
 source info of the equation JAX was evaluating) as a note, then filters the traceback as JAX
 would have, and raises the error as a `FloatingPointAnomalyError` (torch's anomaly errors are
-`RuntimeError`s). Functions marked `anomaly_checked` are evaluated with JAX's checks off: jamp's own
-checks, with their richer report, see every value there first.
+`RuntimeError`s). Functions marked `anomaly_checked` are evaluated with JAX's checks off:
+jamp's own checks, with their richer report, see every value there first.
 
 Forward mode: JAX refuses `jax.jvp` through a `jax.custom_vjp`, so where forward-mode
 differentiation acts on the inputs (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) the function is
@@ -53,7 +53,6 @@ import contextlib
 import dataclasses
 import functools
 import linecache
-import os
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -64,10 +63,9 @@ import numpy as np
 from jamp._checks import check_bool
 from jamp import _jax_internals as jx
 
-__all__ = ["AnomalyError", "FloatingPointAnomalyError", "anomaly_checked", "detect_anomaly", "is_anomaly_check_nan_enabled",
-           "is_anomaly_enabled", "set_detect_anomaly"]
+__all__ = ["AnomalyError", "FloatingPointAnomalyError", "anomaly_checked", "detect_anomaly",
+           "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "set_detect_anomaly"]
 
-_JAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TRACEBACK_TITLE = "Traceback of forward call that caused the error:"
 
 
@@ -648,7 +646,7 @@ def _format_frames(frames: Sequence[tuple[str, int, str]]) -> str:
     records an equation's Python stack from the traced function inwards (not its callers)."""
     lines = [_TRACEBACK_TITLE]
     for file, line, function in frames:
-        if file.startswith(_JAMP_DIR):
+        if file.startswith(jx.JAMP_DIR):
             continue
         lines.append(f'  File "{file}", line {line}, in {function}')
         source = linecache.getline(file, line).strip()

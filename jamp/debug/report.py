@@ -486,8 +486,7 @@ def _loss_scales(grads, scale: float):
     return share, low, high, suggested
 
 
-_LIBRARIES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,
-              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+_LIBRARIES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep, jx.JAMP_DIR)
 
 
 def source(eqn) -> tuple[str, str]:
