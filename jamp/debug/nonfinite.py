@@ -6,11 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp import _jax_internals as jx
 from jamp.debug import program as programs
 from jamp.debug import shadow
 from jamp.debug.report import TOP_LEVEL, source
@@ -105,13 +103,7 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
                           device_type=device_type, rules=rules, loss_scale=loss_scale,
                           argnums=argnums)
     evaluator = shadow.Evaluator(_Flags(), shadow=False)
-    closed = made.closed
-
-    def instrumented(consts, flat):
-        return evaluator.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)[2]
-
-    flags = evaluator.by_site(jax.device_get(
-        shadow.run_once(instrumented, list(closed.consts), made.args)))
+    flags = evaluator.run_program(made.closed, made.args)[2]
     found = []
     for key, (nan, inf) in flags.items():
         site = evaluator.sites[key]

@@ -20,7 +20,6 @@ import math
 import os
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -420,15 +419,8 @@ def _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums):
                               device_type=device_type, rules=rules, loss_scale=loss_scale,
                               argnums=argnums, backward=backward)
         evaluator = shadow.Evaluator(_Measure(made.loss_scale if made.backward else None))
-        closed = made.closed
-
-        def instrumented(consts, flat):
-            low, sh, probes = evaluator.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)
-            return low[:1], sh[:1], probes
-
-        low, sh, probes = shadow.run_once(instrumented, list(closed.consts), made.args)
-        probes = evaluator.by_site(jax.device_get(probes))
-        return _read(made, evaluator.sites, probes, low[0], sh[0])
+        low, sh, probes = evaluator.run_program(made.closed, made.args)
+        return _read(made, evaluator.sites, probes, low, sh)
     return run
 
 

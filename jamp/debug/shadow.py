@@ -126,6 +126,17 @@ class Evaluator:
                                  [self._widen(a) for a in args], level)
         return low, shadow, self._collect(level)
 
+    def run_program(self, closed: jx.ClosedJaxpr, args: Sequence[Any]) -> tuple[Any, Any, dict]:
+        """Runs `closed` on `args` once, compiled (`run_once`), and fetches (its first output in
+        the low run, the same in the shadow, each site's probes by key) to the host."""
+        def instrumented(consts, flat):
+            low, shadow, probes = self.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)
+            return low[:1], shadow[:1], probes
+
+        low, shadow, probes = jax.device_get(run_once(instrumented, list(closed.consts), args))
+        first = lambda values: values[0] if values else None
+        return first(low), first(shadow), self.by_site(probes)
+
     # -- values ----------------------------------------------------------------------------
 
     def _widen(self, x):
