@@ -466,10 +466,11 @@ def _loss_scales(grads, scale: float):
     share = flushed / nonzero if nonzero else 0.0
     if not grads:
         return share, None, None, None
+    # (largest magnitude at `scale`, largest finite value of its dtype) per backward equation.
+    extremes = [(float(p[0]), float(jnp.finfo(s.dtype).max)) for s, p in grads]
     high = None
     for k in SCALE_EXPONENTS:
-        if all(float(p[0]) * 2.0 ** k / scale <= float(jnp.finfo(s.dtype).max)
-               for s, p in grads):
+        if all(max_abs * 2.0 ** k / scale <= largest for max_abs, largest in extremes):
             high = 2.0 ** k
     counts = [(_flush_counts(p[6]), int(p[1])) for _, p in grads]
     low = next((2.0 ** k for i, k in enumerate(UNDERFLOW_EXPONENTS)
