@@ -1,4 +1,5 @@
-"""Dtype names and parsing shared by policies, opt levels and autocast.
+"""The one home of jamp's dtype facts: the half and autocast dtypes, the predicates that
+tell floating and inexact values apart, and dtype names and their parsing.
 
 jmp's spellings are the reference: `full`/`f32`/`float32`, `half`, `f16`/`float16`,
 `bf16`/`bfloat16`, `f64`/`float64`. jamp also accepts torch's `fp16`/`fp32`/`fp64`.
@@ -13,6 +14,74 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+FLOAT32 = np.dtype(np.float32)
+FLOAT16 = np.dtype(jnp.float16)
+BFLOAT16 = np.dtype(jnp.bfloat16)
+# The half-precision dtypes autocast lowers to, and with float32 the dtypes it casts between
+# (float64, integers, bools and complex values are never cast).
+HALF_DTYPES: frozenset[np.dtype] = frozenset({FLOAT16, BFLOAT16})
+AUTOCAST_DTYPES: frozenset[np.dtype] = HALF_DTYPES | {FLOAT32}
+
+
+def dtype_of(x: Any) -> np.dtype | None:
+    """The numpy dtype of anything that has one (an array, a tracer, an abstract value, a
+    `jax.ShapeDtypeStruct`, a numpy scalar); None for what has none a numpy dtype can name
+    (PRNG keys, tokens, Python objects).
+
+    >>> import jax.numpy as jnp
+    >>> dtype_of(jnp.ones(2, jnp.bfloat16)), dtype_of(object())
+    (dtype(bfloat16), None)
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # an extended dtype (a key's) has no numpy dtype
+        return None
+
+
+def is_floating(x: Any) -> bool:
+    """True for a value or abstract value of a real floating dtype (float0 is not one)."""
+    dtype = dtype_of(x)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def is_inexact(x: Any) -> bool:
+    """True for a value or abstract value of a floating or complex dtype: what carries a
+    gradient (float0, the tangent type of integers, does not)."""
+    dtype = dtype_of(x)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def is_half(x: Any) -> bool:
+    """True for a value or abstract value of float16 or bfloat16."""
+    return dtype_of(x) in HALF_DTYPES
+
+
+def is_half_dtype(value: Any) -> bool:
+    """True when `value` itself names float16 or bfloat16 (a dtype, a scalar type such as
+    `jnp.bfloat16`); False for anything else, strings and arrays included."""
+    if not isinstance(value, (np.dtype, type)):
+        return False
+    try:
+        return np.dtype(value) in HALF_DTYPES
+    except TypeError:
+        return False
+
+
+def is_floating_array(x: Any) -> bool:
+    """True for a JAX or numpy array (or tracer) of a real floating dtype: the pytree leaves a
+    cast touches. Python scalars are not arrays and are left as they are."""
+    return isinstance(x, (jax.Array, np.ndarray)) and is_floating(x)
+
+
+def is_inexact_array(x: Any, *, python_scalars: bool = False) -> bool:
+    """True for a JAX or numpy array (or tracer) of a floating or complex dtype, and, with
+    `python_scalars`, for a Python float or complex (a loss scale multiplies those too)."""
+    if python_scalars and isinstance(x, (float, complex)):
+        return True
+    return isinstance(x, (jax.Array, np.ndarray)) and is_inexact(x)
 
 
 class _ByDtype(Mapping):
