@@ -140,9 +140,10 @@ def parse_loss_scale(value: Any, name: str = "loss_scale") -> str | float:
                 f"{name} must be 'dynamic', a number or a string holding a number such as "
                 f"'128.0', got {_shown(name, value)}.") from None
     else:
-        number = _number(name, value, "'dynamic' or a positive finite number")
-        if number is None:
+        maybe = _number(name, value, "'dynamic' or a positive finite number")
+        if maybe is None:
             return value  # traced: taken as it is
+        number = maybe
     if not (np.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {_shown(name, value)}.")
     return number

@@ -92,7 +92,7 @@ def _checked_gradient(new, given, hook) -> list:
     name = getattr(hook, "__name__", repr(hook))
     new_leaves, new_tree = jax.tree_util.tree_flatten(new)
     old_leaves, old_tree = jax.tree_util.tree_flatten(given)
-    if new_tree != old_tree:
+    if new_tree != old_tree:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
         raise TypeError(f"register_hook: hook {name} returned a value of structure {new_tree}; "
                         f"the gradient it was given has structure {old_tree}.")
     for new_leaf, old in zip(new_leaves, old_leaves, strict=True):

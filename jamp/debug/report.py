@@ -309,7 +309,7 @@ def _columns(rows: list[tuple[str, ...]], hidden: int) -> list[str]:
     return lines + ([f"... {hidden} more (row_limit)"] if hidden else [])
 
 
-def _number(x: float) -> str:
+def _number(x: float | None) -> str:
     return _power(x) if x and math.log2(x).is_integer() else f"{x:g}"
 
 

@@ -156,7 +156,7 @@ class Properties:
     def __eq__(self, other):
         return isinstance(other, Properties) and self.options == other.options
 
-    __hash__ = None  # mutable, like Apex's
+    __hash__ = None  # type: ignore[assignment]  # mutable, like Apex's
 
 
 def _unknown_opt_level(value) -> RuntimeError:

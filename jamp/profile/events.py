@@ -27,27 +27,28 @@ STACK_METRICS = ("self_cpu_time_total", "self_cuda_time_total", "self_device_tim
 
 class _DeviceAliases:
     """torch's older names for the device columns (`cuda_*`), read through the new ones, so
-    that a subclass's own times (a label inside jit) hold for both."""
+    that a subclass's own times (a label inside jit) hold for both. (The new names are each
+    subclass's fields or properties, hence the type checker's ignores below.)"""
 
     @property
     def cuda_time(self) -> float:
-        return self.device_time
+        return self.device_time  # type: ignore[attr-defined]
 
     @property
     def cuda_time_total(self) -> float:
-        return self.device_time_total
+        return self.device_time_total  # type: ignore[attr-defined]
 
     @property
     def self_cuda_time_total(self) -> float:
-        return self.self_device_time_total
+        return self.self_device_time_total  # type: ignore[attr-defined]
 
     @property
     def cuda_memory_usage(self) -> int:
-        return self.device_memory_usage
+        return self.device_memory_usage  # type: ignore[attr-defined]
 
     @property
     def self_cuda_memory_usage(self) -> int:
-        return self.self_device_memory_usage
+        return self.self_device_memory_usage  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass

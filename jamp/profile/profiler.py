@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar, cast
 
 import jax
 import numpy as np
@@ -24,6 +24,8 @@ from jamp import _checks
 from jamp.profile import trace
 from jamp.profile.events import EventList, FunctionEventAvg
 from jamp import _jax_internals as jx
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # Labels opened by `record_function` / `emit_nvtx` / `emit_itt`: on the host (trace events
 # by that name are ranges) and inside traced code (named scopes, whose ops are the range).
@@ -161,6 +163,7 @@ class profile:
         if not self._running:
             return
         self._running = False
+        assert self._directory is not None  # set by __enter__
         try:
             try:
                 _wait_for_dispatched_work()  # what the block dispatched runs in the trace
@@ -312,7 +315,7 @@ class _EmitRanges(contextlib.ContextDecorator):
         label = self._ranges.pop()
         return label.__exit__(*exc_info) if label is not None else None
 
-    def __call__(self, fn: Callable) -> Callable:
+    def __call__(self, fn: _F) -> _F:
         if not callable(fn):
             raise TypeError(f"{type(self).__name__} decorates a function, got {fn!r}")
 
@@ -325,7 +328,7 @@ class _EmitRanges(contextlib.ContextDecorator):
                 label = f"{label}, sizes = {_sizes(args)}"
             with _LabelledRange(label):
                 return fn(*args, **kwargs)
-        return wrapped
+        return cast(_F, wrapped)
 
 
 def _sizes(args) -> str:

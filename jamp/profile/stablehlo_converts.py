@@ -92,12 +92,22 @@ _MLIR_TYPES = {"i1": "bool", "bf16": "bfloat16", "f16": "float16", "f32": "float
                "f64": "float64", "complex<f32": "complex64", "complex<f64": "complex128"}
 
 
+def _tensor_parts(text: str) -> tuple[str, str]:
+    """(dims, element type) of a tensor type such as `tensor<4x8xbf16>`; the convert pattern
+    only captures such types."""
+    parts = _TENSOR.match(text)
+    if parts is None:
+        raise ValueError(f"not a tensor type: {text!r}")
+    dims, element = parts.groups()
+    return dims, element
+
+
 def converts_in(text: str) -> list[tuple[str, str, int]]:
     """`(source dtype, target dtype, bytes written)` of each `stablehlo.convert` in `text`."""
     found = []
     for match in _CONVERT_OP.finditer(text):
-        _, source_element = _TENSOR.match(match.group(1) or match.group(2)).groups()
-        dims, element = _TENSOR.match(match.group(2)).groups()
+        _, source_element = _tensor_parts(match.group(1) or match.group(2))
+        dims, element = _tensor_parts(match.group(2))
         target = _dtype_name(element)
         found.append((_dtype_name(source_element), target, _tensor_bytes(dims, target)))
     return found

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Iterable
+from typing import Any, Iterable
 
 from jamp.profile import hlo
 from jamp.profile.events import CPU, EventList, FunctionEvent
@@ -171,7 +171,7 @@ def _raw_events(data, device_type_of_gpu: str):
 def _with_encoded_stats(name: str, stats: dict) -> dict:
     """`stats` with the `#key=value,...#` annotations of the name and string stats added
     (stats of the event's own win)."""
-    found = {}
+    found: dict[str, Any] = {}
     for text in (name, *(v for v in stats.values() if isinstance(v, str))):
         for block in _ENCODED_STATS.findall(text):
             found.update(part.split("=", 1) for part in block.split(",") if "=" in part)
@@ -244,7 +244,7 @@ def _scope_ranges(label: str, ops: list[FunctionEvent], first_id: int) -> list[F
     for op in ops:
         if id(op) in under and not counted_by_an_enclosing_op(op):
             runs.setdefault(op.program, []).append(op)
-    found = []
+    found: list[FunctionEvent] = []
     for members in runs.values():
         event = _ScopeRange(id=first_id + len(found), name=label, kind="range",
                             thread=f"label {label}", start_us=min(e.start_us for e in members),

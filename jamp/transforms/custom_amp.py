@@ -64,7 +64,7 @@ def custom_fwd(fwd: Callable | None = None, *, cast_inputs: Any = None):
         with jax.named_scope(rules.marker(enabled=False, as_is=True)):
             return fwd(*a, **kw)
 
-    wrapper._jamp_cast_inputs = dtype
+    wrapper._jamp_cast_inputs = dtype  # type: ignore[attr-defined]  # read by autocast
     return wrapper
 
 

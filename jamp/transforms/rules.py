@@ -210,6 +210,7 @@ class Rule:
     def apply(self, region: Region, start: Region) -> Region:
         """`region` with this rule's setting; `start` is the transform's own region ("on")."""
         setting = self.setting
+        changes: dict[str, Any]
         if isinstance(setting, str) and setting == OFF:
             changes = dict(enabled=False)
         elif isinstance(setting, str) and setting == ON:
@@ -392,9 +393,11 @@ def _markers(names: Iterable[str]) -> tuple:
                  for m in parse_markers(name))
 
 
-def _fold(scope: Scope, names: tuple[str, ...], choice: tuple[int, int] | None) -> Region:
+def _fold(scope: Scope, names: Sequence[str], choice: tuple[int, int] | None) -> Region:
     region = scope.start
-    rule, depth = (scope.rules.rules[choice[0]], choice[1]) if choice else (None, -1)
+    if choice is None:
+        return apply_markers(region, _markers(names))
+    rule, depth = scope.rules.rules[choice[0]], choice[1]
     if depth == 0:
         region = rule.apply(region, scope.start)
     path: list[str] = []
@@ -430,7 +433,7 @@ def check_matched(rules: RuleSet, decided: set[int], places: Iterable[tuple], tr
             continue
         shadowing = {first for path, functions in places
                      if (i in functions or rule.depth(path) is not None)
-                     for first, _ in [rules.choose(path, functions)]}
+                     for first, _ in [rules.choose(path, functions) or (i, 0)]}
         if shadowing:
             first = rules.rules[min(shadowing)].pattern
             raise ValueError(
