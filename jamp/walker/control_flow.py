@@ -92,8 +92,9 @@ def while_loop(eqn: jx.JaxprEqn, invals: Sequence[Any], body: Body,
     Args:
       cond: `(condition, args) -> predicate`: evaluates the loop's condition on its consts and
         the carries (the interpreter's values); its extras are not kept.
-      combine: merges one key's extras so far with an iteration's (`max`, `|`, `+`); needed
-        only when the body has extras, which ride in the carry from zeros.
+      combine: `(extras so far, an iteration's) -> extras` (per key a `max`, `|` or `+`, or
+        a choice among iterations); needed only when the body has extras, which ride in the
+        carry from zeros.
     """
     cond_closed, closed, cond_n, body_n = jx.while_parts(eqn.params)
     cond_consts = list(invals[:cond_n])
@@ -110,7 +111,7 @@ def while_loop(eqn: jx.JaxprEqn, invals: Sequence[Any], body: Body,
     def body_fn(state):
         carry, extras = state
         outs, new = body(closed, [*consts, *carry])
-        return _like(outs, carry), {k: combine(extras[k], new[k]) for k in extras}
+        return _like(outs, carry), combine(extras, new) if extras else extras
 
     carry, extras = lax.while_loop(cond_fn, body_fn, (init, zeros(shapes)))
     return list(carry), extras

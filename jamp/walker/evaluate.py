@@ -26,7 +26,7 @@ Example: an interpreter that doubles every `sin`:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar, cast
 
 import jax
 import numpy as np
@@ -53,8 +53,9 @@ class Env:
     index: int = -1
 
 
-# A rule: (interpreter, env, equation, operand values) -> the equation's result values.
-Rule = Callable[[Any, Env, jx.JaxprEqn, list], list]
+# A rule: (interpreter, env, equation, operand values) -> the equation's result values (the
+# interpreter and env of the interpreter's own kinds).
+Rule = Callable[[Any, Any, jx.JaxprEqn, list], list]
 # A body evaluator, as the control-flow helpers take it: (body, args) -> (outputs, extras).
 Body = Callable[[jx.ClosedJaxpr, Sequence[Any]], tuple[list, dict]]
 
@@ -69,8 +70,12 @@ def literal_value(atom: jx.Literal) -> Any:
     return value if dtype is None else np.asarray(value, dtype)
 
 
-class Interpreter:
+E = TypeVar("E", bound=Env)
+
+
+class Interpreter(Generic[E]):
     """Evaluates closed jaxprs equation by equation; subclasses set `rules` and override hooks.
+    Generic in the kind of env it evaluates in (`Interpreter[MyEnv]`).
 
     Attributes:
       rules: this interpreter's rule per primitive name; primitives without one go to
@@ -82,7 +87,7 @@ class Interpreter:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def run(self, closed: jx.ClosedJaxpr, args: Sequence[Any], env: Env | None = None,
+    def run(self, closed: jx.ClosedJaxpr, args: Sequence[Any], env: E | None = None,
             consts: Sequence[Any] | None = None) -> tuple[list, dict]:
         """Evaluates `closed` on `args` in `env` (a fresh `new_env(closed)` when None); returns the
         outputs and the side results `finish(env)` gives. `consts` replaces the jaxpr's own
@@ -105,12 +110,12 @@ class Interpreter:
                 self.write(env, var, value)
         return [self.read(env, v) for v in jaxpr.outvars], self.finish(env)
 
-    def evaluate(self, closed: jx.ClosedJaxpr, args: Sequence[Any], env: Env | None = None,
+    def evaluate(self, closed: jx.ClosedJaxpr, args: Sequence[Any], env: E | None = None,
                  consts: Sequence[Any] | None = None) -> list:
         """The outputs of `run` (side results left in `env`)."""
         return self.run(closed, args, env, consts)[0]
 
-    def body(self, make_env: Callable[[jx.ClosedJaxpr], Env] | None = None) -> Body:
+    def body(self, make_env: Callable[[jx.ClosedJaxpr], E] | None = None) -> Body:
         """A body evaluator for `jamp.walker.control_flow`: each call runs a body in a fresh
         env `make_env(body)` (default `new_env`), as a loop's body may be traced more than
         once."""
@@ -119,29 +124,29 @@ class Interpreter:
 
     # -- hooks ---------------------------------------------------------------------------------
 
-    def new_env(self, closed: jx.ClosedJaxpr) -> Env:
+    def new_env(self, closed: jx.ClosedJaxpr) -> E:
         """The env of an evaluation of `closed` no caller set up (a subclass returns its own
         kind, set up for that jaxpr)."""
-        return Env()
+        return cast(E, Env())
 
-    def read(self, env: Env, atom: Any) -> Any:
+    def read(self, env: E, atom: Any) -> Any:
         """An atom's value: a literal's `literal_value`, a variable's value in `env`."""
         if isinstance(atom, jx.Literal):
             return literal_value(atom)
         return env.values[atom]
 
-    def operands(self, env: Env, eqn: jx.JaxprEqn) -> list:
+    def operands(self, env: E, eqn: jx.JaxprEqn) -> list:
         """The values an equation's rule receives (a subclass may cast them)."""
         return [self.read(env, a) for a in eqn.invars]
 
-    def write(self, env: Env, var: jx.Var, value: Any) -> None:
+    def write(self, env: E, var: jx.Var, value: Any) -> None:
         """Records a variable's value (a subclass may note facts about it)."""
         env.values[var] = value
 
-    def default(self, env: Env, eqn: jx.JaxprEqn, invals: list) -> list:
+    def default(self, env: E, eqn: jx.JaxprEqn, invals: list) -> list:
         """An equation without a rule: its primitive bound as it is, with its own params."""
         return jx.bind(eqn, eqn.params, invals)
 
-    def finish(self, env: Env) -> dict:
+    def finish(self, env: E) -> dict:
         """The side results of an evaluation that has ended."""
         return env.extras

@@ -157,7 +157,7 @@ class Maxima(Interpreter):
     def _while(self, env, eqn, invals):
         outs, extras = cf.while_loop(eqn, invals, self._inner(env),
                                      lambda closed, args: jx.eval_closed(closed, args)[0],
-                                     combine=jnp.maximum)
+                                     combine=functools.partial(jax.tree.map, jnp.maximum))
         env.extras.update(extras)
         return outs
 
@@ -219,8 +219,7 @@ def test_switch_unions_extras_with_zeros(branch):
 
 
 def test_remat_returns_extras():
-    outs, extras = _extras(functools.partial(jax.checkpoint(lambda v: jnp.sin(v) * 2)),
-                           jnp.array([0.3, 0.4]))
+    outs, extras = _extras(jax.checkpoint(lambda v: jnp.sin(v) * 2), jnp.array([0.3, 0.4]))
     (largest,) = extras.values()
     np.testing.assert_allclose(largest, jnp.sin(0.4), rtol=1e-6)
 
