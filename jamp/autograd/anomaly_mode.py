@@ -23,10 +23,9 @@ backward), a `while_loop` and a `cond`/`switch` are rebuilt around their bodies 
 checks; the bodies' codes come out of the loop (those of the first iteration that made a bad
 value) and out of the branch taken. Other higher-order primitives (custom_jvp / custom_vjp
 functions, shard_map) run as they are and are checked at their outputs, reported at the user's
-line that called them. A
-custom_vjp's bwd (a `jamp.autograd.Function`'s backward) that raises gets the traceback of the
-forward call that created it added to its error, also with `check_nan=False` (torch's other
-anomaly-mode service).
+line that called them. A custom_vjp's bwd (a `jamp.autograd.Function`'s backward) that raises
+gets the traceback of the forward call that created it added to its error, also with
+`check_nan=False` (torch's other anomaly-mode service).
 
 Values the function closes over that an enclosing transform differentiates become inputs of
 the custom_vjp (`jax.closure_convert`), so their gradients flow as before.
@@ -493,8 +492,8 @@ class _Evaluation(Interpreter[_Frame]):
     """One evaluation of a jaxpr with checks: each floating result's code
     (`jamp.walker.nonfinite`) and where it comes from. Calls are inlined; loops and branches
     are rebuilt around their bodies evaluated with checks, the bodies' codes carried out as
-    side results (merged over iterations); other higher-order primitives are checked at their
-    outputs."""
+    side results (a loop's from its first iteration that made a bad value); other higher-order
+    primitives are checked at their outputs."""
 
     def __init__(self, program: _Program, backward: bool, forward: "_Evaluation | None" = None,
                  checked_inputs: Sequence[int] | None = None,

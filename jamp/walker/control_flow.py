@@ -31,8 +31,8 @@ from jax import lax
 from jamp import _jax_internals as jx
 from jamp.walker.evaluate import Body
 
-__all__ = ["call", "custom_jvp", "custom_vjp", "jit", "remat", "scan", "shard_map", "switch",
-           "while_loop"]
+__all__ = ["CALL_PRIMITIVES", "call", "cast_to_avals", "custom_jvp", "custom_vjp", "jit", "remat",
+           "scan", "shard_map", "switch", "while_loop", "zeros"]
 
 # What `call` inlines: function calls, remat, and the primal body of a custom derivative.
 CALL_PRIMITIVES = jx.CALLS | {"custom_vjp_call"}
