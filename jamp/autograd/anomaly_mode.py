@@ -646,7 +646,8 @@ class _Evaluation(Interpreter[_Frame]):
         text = f"'{site.primitive}' returned {kind} in its output {site.output} in the "
         if self.backward:
             text += f"backward pass of {name}"
-            of = self.forward.primitives.get(site.source) if self.forward else None
+            of = self.forward.primitives.get(site.source) \
+                if self.forward and site.source is not None else None
             if of is not None:
                 text += f" (part of the gradient of '{of}')"
         else:
