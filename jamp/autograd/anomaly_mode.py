@@ -8,22 +8,24 @@ and evaluates that with checks. JAX gives every equation of a pullback the sourc
 forward equation it differentiates, so an anomaly in the backward is reported at the user's
 forward line, with the forward primitive whose gradient it is.
 
-The tests of one evaluation are gathered into one vector and handed to one
-`jax.debug.callback`, which raises `AnomalyError` for the first anomaly in evaluation order
-(evaluation order is a topological order, so that is where the value first went bad). Eagerly
-the callback runs at once and the `AnomalyError` reaches the caller; in a compiled program
-(`jax.jit`) JAX raises it from the running program as a `jax.errors.JaxRuntimeError` (also a
-`RuntimeError`) whose message ends with the `AnomalyError` text.
+The tests of one evaluation (`jamp.walker.nonfinite`'s codes) are gathered into one vector and
+handed to one `jax.debug.callback`, which raises `AnomalyError` for the first anomaly in
+evaluation order (evaluation order is a topological order, so that is where the value first
+went bad). Eagerly the callback runs at once and the `AnomalyError` reaches the caller; in a
+compiled program (`jax.jit`) JAX raises it from the running program as a
+`jax.errors.JaxRuntimeError` (also a `RuntimeError`) whose message ends with the `AnomalyError`
+text.
 
-Calls (`jax.jit`, `closed_call`) and `jax.checkpoint` bodies are evaluated inline, so their
-equations are checked one by one (a checkpoint is not rematerialized while checked). A
-`lax.scan` (also `fori_loop` with static bounds, and the scans of a scan's backward) is rebuilt
-around its body evaluated with checks; the body's codes ride in the carry. Other higher-order
-primitives (`while_loop`, `cond`/`switch`, custom_jvp / custom_vjp functions, shard_map) run as
-they are and are checked at their outputs, reported at the user's line that called them. A
-custom_vjp's bwd (a `jamp.autograd.Function`'s backward) that raises gets the traceback of the
-forward call that created it added to its error, also with `check_nan=False` (torch's other
-anomaly-mode service).
+The evaluation is `jamp.walker`'s. Calls (`jax.jit`, `closed_call`) and `jax.checkpoint`
+bodies are evaluated inline, so their equations are checked one by one (a checkpoint is not
+rematerialized while checked). A `lax.scan` (also `fori_loop`, and the scans of a scan's
+backward), a `while_loop` and a `cond`/`switch` are rebuilt around their bodies evaluated with
+checks; the bodies' codes come out of the loop (those of the first iteration that made a bad
+value) and out of the branch taken. Other higher-order primitives (custom_jvp / custom_vjp
+functions, shard_map) run as they are and are checked at their outputs, reported at the user's
+line that called them. A custom_vjp's bwd (a `jamp.autograd.Function`'s backward) that raises
+gets the traceback of the forward call that created it added to its error, also with
+`check_nan=False` (torch's other anomaly-mode service).
 
 Values the function closes over that an enclosing transform differentiates become inputs of
 the custom_vjp (`jax.closure_convert`), so their gradients flow as before.
@@ -60,8 +62,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp._checks import check_bool
 from jamp import _jax_internals as jx
+from jamp._checks import check_bool
+from jamp.policy.dtypes import is_inexact
+from jamp.walker import control_flow, nonfinite
+from jamp.walker.evaluate import Env, Interpreter
 
 __all__ = ["AnomalyError", "FloatingPointAnomalyError", "anomaly_checked", "detect_anomaly",
            "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "set_detect_anomaly"]
@@ -179,7 +184,7 @@ class detect_anomaly:
       >>> jax.grad(checked)(jnp.array([-1.0, 4.0]))
       Traceback (most recent call last):
       ...
-      jamp.autograd.anomaly_mode.AnomalyError: 'sqrt' returned nan in its output 0 in the forward ...
+      jamp.autograd.anomaly_mode.AnomalyError: 'sqrt' returned nan in its output 0 in the ...
       ...
     """
 
@@ -395,14 +400,15 @@ class _Program:
         # (on in an anomaly block) would stop an eager evaluation at the first bad value first.
         with _without_jax_checks():
             if not self.checks.values:
-                return _Evaluation(self, backward=False).run(self.closed, arrays, check=False)
+                return _Evaluation(self, backward=False).run_checked(self.closed, arrays,
+                                                                   check=False)
             if any("forward" in jx.autodiff_kinds(a) for a in arrays):
                 return self._forward(arrays)
             return self._with_checked_backward(arrays)
 
     def _forward(self, arrays: list) -> list:
         evaluation = _Evaluation(self, backward=False)
-        outs = evaluation.run(self.closed, arrays)
+        outs = evaluation.run_checked(self.closed, arrays)
         evaluation.report()
         return outs
 
@@ -420,7 +426,7 @@ class _Program:
             evaluation = _Evaluation(self, backward=False)
 
             def forward(*ys):
-                outs = evaluation.run(self.closed, list(ys))
+                outs = evaluation.run_checked(self.closed, list(ys))
                 return outs, evaluation.codes()
 
             outs, pullback, codes = jax.vjp(forward, *xs, has_aux=True)
@@ -442,7 +448,7 @@ class _Program:
         # (residuals, floating cotangents), it is evaluated like the forward. Cotangents of
         # integer outputs are float0 zeros, made inside.
         res, res_tree = jax.tree_util.tree_flatten(pullback)
-        floating = [i for i, a in enumerate(out_avals) if _inexact(a)]
+        floating = [i for i, a in enumerate(out_avals) if is_inexact(a)]
 
         def backward(res, given):
             full = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
@@ -456,14 +462,9 @@ class _Program:
         evaluation = _Evaluation(self, backward=True, forward=forward,
                                  checked_inputs=range(len(res), len(res) + len(given)),
                                  input_outputs=floating)
-        outs = evaluation.run(closed, res + given)
+        outs = evaluation.run_checked(closed, res + given)
         evaluation.report(evaluation.codes(), forward_codes)
         return outs
-
-
-def _inexact(aval) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.inexact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,11 +478,22 @@ class _Site:
     input_name: str = ""
 
 
-_NAN, _INF = 2, 1  # codes: the larger wins when vmap gathers one code per example
+@dataclasses.dataclass
+class _Frame(Env):
+    """The env of one evaluated body: the position of the equation it belongs to (the indices
+    of the equations around it, a cond's branch), and the user's frames of the call whose
+    body it is (JAX records a body's stack from the body inwards)."""
+
+    key: tuple = ()
+    caller: tuple = ()
 
 
-class _Evaluation:
-    """One evaluation of a jaxpr with checks: the values' codes and where each comes from."""
+class _Evaluation(Interpreter[_Frame]):
+    """One evaluation of a jaxpr with checks: each floating result's code
+    (`jamp.walker.nonfinite`) and where it comes from. Calls are inlined; loops and branches
+    are rebuilt around their bodies evaluated with checks, the bodies' codes carried out as
+    side results (a loop's from its first iteration that made a bad value); other higher-order
+    primitives are checked at their outputs."""
 
     def __init__(self, program: _Program, backward: bool, forward: "_Evaluation | None" = None,
                  checked_inputs: Sequence[int] | None = None,
@@ -492,80 +504,84 @@ class _Evaluation:
         self.forward = forward
         self.checked_inputs = checked_inputs
         self.input_outputs = list(input_outputs)
-        self.sites: list[_Site] = []
-        self._codes: list = []
+        self.check = True
+        # Every site met, by key, in evaluation order (a body traced twice meets its sites
+        # again under the same keys).
+        self.sites: dict[tuple, _Site] = {}
+        self._codes: dict = {}
         self.primitives: dict[int, str] = {}  # forward: source key -> primitive name
 
     # -- evaluation
 
-    def run(self, closed: jx.ClosedJaxpr, args: list, check: bool = True) -> list:
+    def new_env(self, closed: jx.ClosedJaxpr) -> _Frame:
+        return _Frame()
+
+    def run_checked(self, closed: jx.ClosedJaxpr, args: list, check: bool = True) -> list:
+        """`closed`'s outputs on `args`, its inputs (or `checked_inputs`) and every floating
+        result of its equations checked (with `check`)."""
         self.check = check
+        top = _Frame()
         inputs = range(len(args)) if self.checked_inputs is None else self.checked_inputs
         for k, i in enumerate(inputs):
-            self._test(args[i], _Site(None, k, (), input_name=self._input_name(k)))
-        return self._eval(closed, args, ())
+            self._test(top, (-1, k), args[i],
+                       _Site(None, k, (), input_name=self._input_name(k)))
+        outs, self._codes = self.run(closed, args, top)
+        return outs
 
     def _input_name(self, k: int) -> str:
         if self.backward:
             return f"the gradient of output {self.input_outputs[k]}"
         return self.program.arg_names[k]
 
-    def _eval(self, closed: jx.ClosedJaxpr, args: Sequence[Any], caller: tuple) -> list:
-        """Evaluates `closed`; `caller` holds the user's frames of the call whose body it is
-        (JAX records a body's stack from the body inwards)."""
-        jaxpr = closed.jaxpr
-        env: dict = {}
+    def default(self, env: _Frame, eqn, invals: list) -> list:
+        params = eqn.params
+        if eqn.primitive.name == "custom_vjp_call":
+            params = _with_noted_bwd(eqn, _frames(eqn, env.caller))
+        outs = jx.bind(eqn, params, invals)
+        self._note(env, eqn, outs)
+        return outs
 
-        def read(atom):
-            return atom.val if isinstance(atom, jx.Literal) else env[atom]
+    def _inner(self, env: _Frame, eqn, branch: tuple = ()) -> Callable:
+        """The body evaluator of `eqn`'s bodies (of its branch `branch`)."""
+        key = (*env.key, env.index, *branch)
+        caller = _frames(eqn, env.caller)
+        return self.body(lambda closed: _Frame(key=key, caller=caller))
 
-        env.update(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for eqn in jaxpr.eqns:
-            invals = [read(a) for a in eqn.invars]
-            name = eqn.primitive.name
-            if name in jx.CALLS and name != "custom_jvp_call":  # a custom_jvp keeps its rule
-                outs = self._eval(jx.call_body(eqn), invals, _frames(eqn, caller))
-            elif name == "scan" and self.check:
-                with jx.equation_context(eqn):
-                    outs = self._scan(eqn, invals, _frames(eqn, caller))
-            else:
-                with jx.equation_context(eqn):
-                    params = eqn.params
-                    if name == "custom_vjp_call":
-                        params = _with_noted_bwd(eqn, _frames(eqn, caller))
-                    outs = jx.bind(eqn, params, invals)
-                self._note(eqn, outs, caller)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
+    def _call(self, env: _Frame, eqn, invals: list) -> list:
+        outs, codes = control_flow.call(eqn, invals, self._inner(env, eqn))
+        env.extras.update(codes)
+        return outs
 
-    def _scan(self, eqn, invals: list, frames: tuple) -> list:
-        """A scan rebuilt around its body evaluated with checks. The body's codes ride in the
-        carry, each the largest over the iterations so far."""
-        body, num_consts, num_carry, options = jx.scan_parts(eqn.params)
-        consts, init, xs = (invals[:num_consts], invals[num_consts:num_consts + num_carry],
-                            invals[num_consts + num_carry:])
-        inner = _Evaluation(self.program, self.backward, self.forward)
-        inner.check, inner.primitives = True, self.primitives
+    def _scan(self, env: _Frame, eqn, invals: list) -> list:
+        if not self.check:
+            return self.default(env, eqn, invals)
+        outs, codes = control_flow.scan(eqn, invals, self._inner(env, eqn))
+        reverse = jx.scan_parts(eqn.params)[3]["reverse"]
+        env.extras.update(nonfinite.first_iteration(codes, reverse))
+        return outs
 
-        def evaluate(values):
-            inner.sites, inner._codes = [], []
-            return inner._eval(body, values, frames), inner.codes()
+    def _while(self, env: _Frame, eqn, invals: list) -> list:
+        if not self.check:
+            return self.default(env, eqn, invals)
+        outs, codes = control_flow.while_loop(
+            eqn, invals, self._inner(env, eqn),
+            lambda closed, args: jx.eval_closed(closed, args)[0], combine=nonfinite.keep_first)
+        env.extras.update(codes)
+        return outs
 
-        count = jx.trace_closed(lambda *a: evaluate(list(a))[1], body.in_avals).out_avals[0]
+    def _cond(self, env: _Frame, eqn, invals: list) -> list:
+        if not self.check:
+            return self.default(env, eqn, invals)
+        bodies = [self._inner(env, eqn, (k,)) for k in range(len(eqn.params["branches"]))]
+        outs, codes = control_flow.switch(eqn, invals[0], invals[1:], bodies)
+        env.extras.update(codes)
+        return outs
 
-        def step(carry, x):
-            values, codes = carry
-            outs, new = evaluate([*consts, *values, *x])
-            return (outs[:num_carry], jnp.maximum(codes, new)), outs[num_carry:]
+    # A custom_jvp keeps its rule (the program is differentiated): checked at its outputs.
+    rules = {**dict.fromkeys(jx.CALLS - {"custom_jvp_call"}, _call),
+             "scan": _scan, "while": _while, "cond": _cond}
 
-        (carry, codes), ys = jax.lax.scan(
-            step, (init, jnp.zeros(count.shape, jnp.int8)), xs, **options)
-        self.sites.extend(inner.sites)
-        self._codes.append(codes)
-        return [*carry, *ys]
-
-    def _note(self, eqn, outs: Sequence[Any], caller: tuple) -> None:
+    def _note(self, env: _Frame, eqn, outs: Sequence[Any]) -> None:
         name = _primitive_label(eqn)
         key = jx.source_key(eqn)
         if not self.backward:
@@ -574,28 +590,23 @@ class _Evaluation:
             return
         frames = None
         for k, value in enumerate(outs):
-            if _inexact(jax.typeof(value)):
-                frames = frames if frames is not None else _frames(eqn, caller)
-                self._test(value, _Site(name, k, frames, key))
+            if is_inexact(jax.typeof(value)):
+                frames = frames if frames is not None else _frames(eqn, env.caller)
+                self._test(env, (*env.key, env.index, k), value, _Site(name, k, frames, key))
 
-    def _test(self, value, site: _Site) -> None:
-        if not self.check or not _inexact(jax.typeof(value)) or not np.size(value):
+    def _test(self, env: _Frame, key: tuple, value, site: _Site) -> None:
+        if not self.check or not is_inexact(jax.typeof(value)) or not np.size(value):
             return
-        code = jnp.zeros((), jnp.int8)
-        if self.checks.inf:
-            code = jnp.where(jnp.isinf(value).any(), jnp.int8(_INF), code)
-        if self.checks.nan:
-            code = jnp.where(jnp.isnan(value).any(), jnp.int8(_NAN), code)
-        self.sites.append(site)
-        self._codes.append(code)
+        self.sites[key] = site
+        env.extras[key] = nonfinite.code(value, nan=self.checks.nan, inf=self.checks.inf)
 
     # -- reporting
 
     def codes(self) -> jax.Array:
-        """One code per site (a scan adds the codes of its body's sites at once)."""
-        if not self._codes:
-            return jnp.zeros((0,), jnp.int8)
-        return jnp.concatenate([jnp.reshape(c, (-1,)) for c in self._codes])
+        """One code per site, in the order of `sites`."""
+        if not self.sites:
+            return jnp.zeros((0,), nonfinite.CODE_DTYPE)
+        return jnp.stack([self._codes[key] for key in self.sites])
 
     def report(self, codes=None, forward_codes=None) -> None:
         """Raises (through a debug callback, so also inside compiled programs) for the first
@@ -616,11 +627,13 @@ class _Evaluation:
             raise_first(codes, forward_codes)  # eagerly: at once, with no callback's log
 
     def _raise_first(self, codes) -> None:
-        codes = np.asarray(codes).reshape(-1, len(self.sites)).max(axis=0) if self.sites \
-            else ()
-        for site, code in zip(self.sites, codes):
+        # Under vmap the callback gets one row of codes per example.
+        codes = np.bitwise_or.reduce(np.asarray(codes).reshape(-1, len(self.sites)), axis=0) \
+            if self.sites else ()
+        for site, code in zip(self.sites.values(), codes):
             if code:
-                raise AnomalyError(self._message(site, "nan" if code == _NAN else "inf"))
+                kind = "nan" if code & nonfinite.NAN else "inf"
+                raise AnomalyError(self._message(site, kind))
 
     def _message(self, site: _Site, kind: str) -> str:
         name = self.program.name
@@ -633,7 +646,8 @@ class _Evaluation:
         text = f"'{site.primitive}' returned {kind} in its output {site.output} in the "
         if self.backward:
             text += f"backward pass of {name}"
-            of = self.forward.primitives.get(site.source) if self.forward else None
+            of = self.forward.primitives.get(site.source) \
+                if self.forward and site.source is not None else None
             if of is not None:
                 text += f" (part of the gradient of '{of}')"
         else:

@@ -6,28 +6,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from jamp.debug import program as programs
 from jamp.debug import shadow
 from jamp.debug.report import TOP_LEVEL, source
+from jamp.policy.dtypes import is_floating
+from jamp.walker import nonfinite
 
 
-class _Flags(shadow.Probe):
-    """(any NaN, any inf) among an equation's floating results, per scan iteration."""
+class _Codes(shadow.Probe):
+    """The code (`jamp.walker.nonfinite`: NaN, inf) of an equation's floating results, per
+    scan iteration."""
 
     per_iteration = True
 
-    def wants(self, dtype: np.dtype) -> bool:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
+    def wants(self, aval) -> bool:
+        return is_floating(aval)
 
     def measure(self, sites, low, shadow_values):
-        values = low.reshape(low.shape[0], -1)
-        return jnp.any(jnp.isnan(values), axis=1), jnp.any(jnp.isinf(values), axis=1)
+        return (nonfinite.code(low.reshape(low.shape[0], -1), axis=1),)
 
     def combine(self, a, b):
-        return a[0] | b[0], a[1] | b[1]
+        return (a[0] | b[0],)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,23 +103,23 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
     made = programs.build(fn, args, kwargs, caller="first_nonfinite", dtype=dtype,
                           device_type=device_type, rules=rules, loss_scale=loss_scale,
                           argnums=argnums)
-    evaluator = shadow.Evaluator(_Flags(), shadow=False)
-    flags = evaluator.run_program(made.closed, made.args)[2]
+    evaluator = shadow.Evaluator(_Codes(), shadow=False)
+    codes = evaluator.run_program(made.closed, made.args)[2]
     found = []
-    for key, (nan, inf) in flags.items():
+    for key, (site_codes,) in codes.items():
         site = evaluator.sites[key]
-        hits = np.argwhere(np.asarray(nan) | np.asarray(inf))
+        site_codes = np.asarray(site_codes)
+        hits = np.argwhere(site_codes)
         if not len(hits):
             continue
         first = tuple(int(i) for i in hits[0])
-        found.append((_order(key, site.scans, first), site, first, nan, inf))
+        found.append((_order(key, site.scans, first), site, first, site_codes[first]))
     if not found:
         return None
-    _, site, first, nan, inf = min(found, key=lambda f: f[0])
-    kinds = [name for name, flag in (("inf", inf), ("nan", nan)) if np.asarray(flag)[first]]
+    _, site, first, kind = min(found, key=lambda f: f[0])
     location, code = source(site.eqn)
     return NonFinite(site.eqn.primitive.name, location, code, "/".join(site.path) or TOP_LEVEL,
-                     site.backward, site.dtype.name, " and ".join(kinds), first)
+                     site.backward, site.dtype.name, nonfinite.describe(kind), first)
 
 
 def _order(key: tuple, scans: tuple, iterations: tuple) -> tuple:

@@ -193,6 +193,63 @@ def test_scan_bodies_are_checked_forward_and_backward():
     assert text.startswith("'log' returned nan in its output 0 in the forward pass of scanned.")
 
 
+def looped_step(carry):
+    i, y = carry
+    z = jnp.log(y - 1.0)  # WHILE-BODY-LOG
+    return i + 1, y + z
+
+
+def looped(x):
+    i, y = jax.lax.while_loop(lambda c: c[0] < 3, looped_step, (0, x))  # WHILE-CALL
+    return y.sum()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_while_bodies_are_checked(jit):
+    checked = detect_anomaly()(looped)
+    run = jax.jit(checked) if jit else checked
+    fine = jnp.array([3.0, 4.0])
+    np.testing.assert_allclose(run(fine), looped(fine), rtol=1e-6)
+    text = error_text(lambda: run(jnp.array([3.0, 0.5])))
+    assert text.startswith("'log' returned nan in its output 0 in the forward pass of looped.")
+    assert_forward_line(text, "WHILE-CALL", "looped")
+    assert_forward_line(text, "WHILE-BODY-LOG", "looped_step")
+
+
+def log_branch(v):
+    return jnp.where(v > 1.0, jnp.log(v - 1.0), 0.0)  # COND-BRANCH-LOG
+
+
+def branched(x):
+    y = jax.lax.cond(x.sum() > 0, log_branch, jnp.cos, x)  # COND-CALL
+    return y.sum()
+
+
+def test_cond_branches_are_checked_forward_and_backward():
+    checked = detect_anomaly()(branched)
+    fine = jnp.array([2.0, 3.0])
+    np.testing.assert_allclose(jax.grad(checked)(fine), jax.grad(branched)(fine), rtol=1e-6)
+    # The branch not taken is not reported, whatever it would have made.
+    np.testing.assert_allclose(jax.jit(checked)(-fine), branched(-fine), rtol=1e-6)
+    text = error_text(lambda: jax.jit(jax.grad(checked))(jnp.array([1.0, 3.0])))
+    assert text.startswith("'div' returned nan in its output 0 in the backward pass of branched "
+                           "(part of the gradient of 'log').")
+    assert_forward_line(text, "COND-CALL", "branched")
+    assert_forward_line(text, "COND-BRANCH-LOG", "log_branch")
+    text = error_text(lambda: checked(jnp.array([0.5, 3.0])))
+    assert text.startswith("'log' returned nan in its output 0 in the forward pass of branched.")
+    assert_forward_line(text, "COND-BRANCH-LOG", "log_branch")
+
+
+def test_switch_branches_are_checked():
+    def switched(x):
+        return jax.lax.switch(2, [jnp.sin, jnp.cos, log_branch], x).sum()
+
+    text = error_text(lambda: jax.jit(detect_anomaly()(switched))(jnp.array([0.5, 3.0])))
+    assert text.startswith("'log' returned nan in its output 0 in the forward pass of switched.")
+    assert_forward_line(text, "COND-BRANCH-LOG", "log_branch")
+
+
 class MyFunc(Function):
     @staticmethod
     def forward(ctx, inp):
