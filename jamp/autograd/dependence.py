@@ -13,6 +13,12 @@ The answer is read from the program, not from values, so it is the same eagerly 
 outputs take their inputs' masks by a rule per primitive (`_FLOW_RULES`: through a call's
 body, through any of a cond's branches, from every operand by default), as the autocast
 interpreter rewrites each primitive by a rule.
+
+What it shares with the other analyses: `contains` lists equations with the one walk
+(`jamp.walker.walk`), and the flow reads bodies with the same accessors (`_jax_internals`).
+The flow itself is not an equation listing: a body's inputs take the masks of the equation's
+operands, so it runs body by body with its own environment, as an evaluator would, only over
+bitmasks; a loop's body is not entered (each of its outputs may depend on each operand).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import jax
 import numpy as np
 
 from jamp import _jax_internals as jx
+from jamp.walker.walk import equations
 
 
 def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[bool, ...], ...]:
@@ -41,7 +48,7 @@ def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[boo
 def contains(fn: Callable[..., Any], args: Sequence[Any], primitive: str) -> bool:
     """True when `fn(*args)` traces to `primitive`, in its body or any nested one."""
     closed = jx.trace_closed(fn, [jax.typeof(a) for a in args])
-    return any(eqn.primitive.name == primitive for eqn in jx.equations(closed.jaxpr))
+    return any(eqn.primitive.name == primitive for eqn in equations(closed))
 
 
 def _differentiable(var) -> bool:

@@ -7,8 +7,8 @@ JAX: a table entry under such a name would match nothing. This module tells the 
 a name that is not a primitive, says what the torch op traces to here. It also sorts primitives
 by what they do to values (move, compute elementwise, reduce), which autocast's rules read.
 
-The call primitives and the walk over a jaxpr's equations, which follow JAX's versions, are
-`jamp._jax_internals`' (see `jamp.policy` for why it may import that module).
+The call primitives, which follow JAX's versions, are `jamp._jax_internals`'; the walk over a
+jaxpr's equations is `jamp.walker.walk`'s (see `jamp.policy` for why it may import those).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp import _jax_internals as jx
+from jamp.walker.walk import equations
 
 
 # -- what primitives do to values: the classes autocast's rules read --------------------------
@@ -78,16 +79,16 @@ def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
 
     Example:
       >>> import jax, jax.numpy as jnp, jamp
-      >>> jamp.transforms.primitive_names(jax.nn.softmax, jnp.ones(3))
+      >>> jamp.policy.primitive_names(jax.nn.softmax, jnp.ones(3))
       ['reduce_max', 'max', 'broadcast_in_dim', 'stop_gradient', 'sub', 'exp', 'reduce_sum', 'div']
     """
     jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
-    return list(dict.fromkeys(eqn.primitive.name for eqn in jx.equations(jaxpr)))
+    return list(dict.fromkeys(eqn.primitive.name for eqn in equations(jaxpr)))
 
 
 @functools.lru_cache(maxsize=1)
 def _public_primitive_names() -> frozenset[str]:
-    found = set()
+    found: set[str] = set()
     for module in (jex_core.primitives, lax, lax.linalg):
         found.update(v.name for v in vars(module).values() if isinstance(v, jex_core.Primitive))
     return frozenset(found)
@@ -96,7 +97,7 @@ def _public_primitive_names() -> frozenset[str]:
 def _loaded_primitive_names() -> set[str]:
     # Primitives defined anywhere in the running program, user-defined ones included: looked at
     # only when a name is not among the public ones, since it walks every loaded module.
-    found = set()
+    found: set[str] = set()
     with warnings.catch_warnings():  # some modules warn when their globals are read
         warnings.simplefilter("ignore")
         for module in list(sys.modules.values()):
