@@ -5,7 +5,8 @@ Op tables are keyed by primitive names (`jax.extend.core.Primitive.name`). torch
 name ATen ops (`softmax`, `layer_norm`, `mse_loss`), most of which are not single primitives in
 JAX: a table entry under such a name would match nothing. This module tells the two apart and, for
 a name that is not a primitive, says what the torch op traces to here. It also sorts primitives
-by what they do to values (move, compute elementwise, reduce), which autocast's rules read.
+by what they do to values (move, compute elementwise, reduce, combine): the one table of
+primitive names that autocast, its dataflow plans and the AMP report read (`ROLES`).
 
 The call primitives, which follow JAX's versions, are `jamp._jax_internals`'; the walk over a
 jaxpr's equations is `jamp.walker.walk`'s (see `jamp.policy` for why it may import those).
@@ -29,7 +30,9 @@ from jamp import _jax_internals as jx
 from jamp.walker.walk import equations
 
 
-# -- what primitives do to values: the classes autocast's rules read --------------------------
+# -- the table: what primitives do to values, by role --------------------------------------
+# Every set of primitive names jamp reads is here (`ROLES` lists them): a name that is no
+# primitive of the running JAX, nor one of `VERSION_SPECIFIC`, is an error the tests name.
 
 # Ops that move, reshape or relabel values without computing new ones.
 MOVES = frozenset({
@@ -66,11 +69,43 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"}
 SUMS = frozenset({"reduce_sum"})
 # Products that add up products: with a rank-0 result, two vectors multiplied to one number.
 DOT_PRODUCTS = frozenset({"dot_general"})
+# Matrix products and convolutions: what torch's autocast lowers, whose FLOPs the AMP report
+# counts (as torch's profiler `with_flops` does).
+MATMULS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 # What one torch kernel computes from its inputs, as a chain of primitives.
 CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE | ASSEMBLES
          | frozenset({"pad", "gather"}))
+# Elementwise ops that combine two values: by adding (a bias, a residual) or by scaling (a
+# scale, a gate). A layer's kernel and a normalization apply their parameters with these.
+ADDITIVE = frozenset({"add", "sub", "add_any"})
+SCALING = frozenset({"mul", "div"})
+COMBINING = ADDITIVE | SCALING
+# Additions, elementwise and into a destination.
+ADDS = ADDITIVE | frozenset({"scatter-add", "scatter-sub"})
+# Ops whose result is their first operand's values, moved (a convert changes them).
+SAME_VALUES = (MOVES - {"convert_element_type"}) | frozenset({"stop_gradient"})
+# Ops whose result holds only values of their floating operands (moved, selected, negated):
+# a constant stays a constant, with the same largest magnitude.
+CONSTANT_PRESERVING = MOVES | ASSEMBLES | SELECTIONS | frozenset({
+    "gather", "neg", "abs", "stop_gradient", "pad",
+})
+# Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
+# reduce/reduce_window bodies): autocast runs them in the traced dtypes.
+TYPED_COMPUTATIONS = frozenset({
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+    "select_and_gather_add",
+})
+
+ROLES: dict[str, frozenset[str]] = {
+    "MOVES": MOVES, "ELEMENTWISE": ELEMENTWISE, "ASSEMBLES": ASSEMBLES, "SCATTERS": SCATTERS,
+    "SELECTIONS": SELECTIONS, "REDUCTIONS": REDUCTIONS, "SUMS": SUMS,
+    "DOT_PRODUCTS": DOT_PRODUCTS, "MATMULS": MATMULS, "COLLECTIVES": COLLECTIVES,
+    "CUMULATIVE": CUMULATIVE, "CHAIN": CHAIN, "ADDITIVE": ADDITIVE, "SCALING": SCALING,
+    "COMBINING": COMBINING, "ADDS": ADDS, "SAME_VALUES": SAME_VALUES,
+    "CONSTANT_PRESERVING": CONSTANT_PRESERVING, "TYPED_COMPUTATIONS": TYPED_COMPUTATIONS,
+}
 
 
 def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:

@@ -18,13 +18,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jamp.policy.primitives import MATMULS
 from jamp.profile import stablehlo_converts
 from jamp.transforms.rules import equation_path
 from jamp.walker.walk import Site, walk
 from jamp import _jax_internals as jx
 
-# The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
-MATMULS = ("dot_general", "conv_general_dilated")
 CONVERT = "convert_element_type"
 
 
@@ -157,6 +156,16 @@ def _matmul_flops(eqn) -> int:
         # Each output element (batch x m x n of them) sums k products.
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         return 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+    if name == "ragged_dot_general":
+        # Each output element sums k products, as a dot_general's; where the ragged dimension
+        # is contracted, the result has one slice per group and each group sums its own
+        # segment of k: the groups together sum k products per element of one slice.
+        numbers = eqn.params["ragged_dot_dimension_numbers"]
+        (lhs_contract, _), _ = numbers.dot_dimension_numbers
+        flops = 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+        if set(numbers.lhs_ragged_dimensions) & set(lhs_contract):
+            flops //= eqn.invars[2].aval.shape[-1]
+        return flops
     # Each output element sums a kernel window of products over the kernel's input features,
     # which are one group's input features (feature_group_count already divided them).
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, window)
