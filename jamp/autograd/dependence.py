@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from jamp import _jax_internals as jx
+from jamp.policy.dtypes import is_inexact
 from jamp.walker.walk import equations
 
 
@@ -51,12 +51,8 @@ def contains(fn: Callable[..., Any], args: Sequence[Any], primitive: str) -> boo
     return any(eqn.primitive.name == primitive for eqn in equations(closed))
 
 
-def _differentiable(var) -> bool:
-    return np.issubdtype(var.aval.dtype, np.inexact)
-
-
 def _bit(var, j: int) -> int:
-    return 1 << j if _differentiable(var) else 0
+    return 1 << j if is_inexact(var.aval) else 0
 
 
 def _flow(jaxpr, in_masks: list[int]) -> list[int]:
@@ -70,7 +66,7 @@ def _flow(jaxpr, in_masks: list[int]) -> list[int]:
         ins = [read(a) for a in eqn.invars]
         outs = _FLOW_RULES.get(eqn.primitive.name, _from_every_operand)(eqn, ins)
         for var, mask in zip(eqn.outvars, outs, strict=True):
-            env[var] = mask if _differentiable(var) else 0
+            env[var] = mask if is_inexact(var.aval) else 0
     return [read(v) for v in jaxpr.outvars]
 
 
