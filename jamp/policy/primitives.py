@@ -31,8 +31,10 @@ from jamp.walker.walk import equations
 
 
 # -- the table: what primitives do to values, by role --------------------------------------
-# Every set of primitive names jamp reads is here (`ROLES` lists them): a name that is no
-# primitive of the running JAX, nor one of `VERSION_SPECIFIC`, is an error the tests name.
+# Every class of primitives that jamp's passes read is here (`ROLES` lists them; the call
+# primitives, which follow JAX's versions, are `_jax_internals.CALLS`; the op tables' lists are
+# policy, checked when a table is built). A name that is no primitive of the running JAX, nor
+# one of `VERSION_SPECIFIC`, is an error the tests name.
 
 # Ops that move, reshape or relabel values without computing new ones.
 MOVES = frozenset({

@@ -7,6 +7,7 @@ import pytest
 from jax import lax
 
 import jamp
+from jamp import _jax_internals as jx
 from jamp.policy import primitives
 from jamp.policy.primitives import ROLES, VERSION_SPECIFIC, unknown_names
 
@@ -15,6 +16,10 @@ from jamp.policy.primitives import ROLES, VERSION_SPECIFIC, unknown_names
 def test_every_name_of_the_table_is_a_primitive_of_this_jax(role):
     unknown = unknown_names(sorted(ROLES[role]))
     assert not unknown, f"{role} names {unknown}: no primitive of jax {jax.__version__}"
+
+
+def test_the_call_and_loop_primitives_are_primitives_of_this_jax():
+    assert unknown_names(sorted(jx.CALLS | set(jx.KEPT_BODY_PARAMS))) == []
 
 
 def test_the_check_names_what_is_no_primitive():
