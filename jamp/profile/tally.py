@@ -89,7 +89,7 @@ class Tally:
             flops = _matmul_flops(eqn)
             if flops:
                 own.flops[_compute_dtype(eqn)] += flops * count
-            for dtype, n in _work(eqn).items():
+            for dtype, n in _bytes_by_dtype(eqn).items():
                 own.bytes[dtype] += n * count
 
     def _note_convert(self, eqn, path: tuple[str, ...], count: int, written: bool) -> None:
@@ -173,7 +173,7 @@ def _matmul_flops(eqn) -> int:
     return 2 * math.prod(out) * window * rhs[rhs_spec[1]]
 
 
-def _work(eqn) -> collections.Counter:
+def _bytes_by_dtype(eqn) -> collections.Counter:
     """The bytes of a first-order equation's operands and results, by dtype; none for a
     higher-order equation (its work is its bodies')."""
     found: collections.Counter = collections.Counter()
@@ -187,10 +187,10 @@ def _work(eqn) -> collections.Counter:
 
 
 def _counted_bytes(eqn) -> int:
-    """The bytes one run of an equation adds to a tally: its work's, and a convert's result
-    once more, as the cast's."""
+    """The bytes one run of an equation adds to a tally: its operands' and results', and a
+    convert's result once more, as the cast's."""
     extra = _array_bytes(eqn.outvars[0].aval)[1] if eqn.primitive.name == CONVERT else 0
-    return sum(_work(eqn).values()) + extra
+    return sum(_bytes_by_dtype(eqn).values()) + extra
 
 
 def _compute_dtype(eqn) -> str:
