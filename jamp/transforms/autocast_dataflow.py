@@ -37,14 +37,14 @@ from typing import Mapping, Sequence
 
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
-from jamp.policy.dtypes import AUTOCAST_DTYPES, dtype_of, is_floating
 from jamp.policy.primitives import (
     ADDS, CHAIN, COMBINING, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SAME_VALUES, SELECTIONS,
     SUMS,
 )
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
-from jamp.transforms.autocast_rules import Region
+from jamp.policy.dtypes import is_floating
+from jamp.transforms.autocast_rules import Region, is_castable
 from jamp.transforms.rules import region_of
 
 
@@ -373,7 +373,7 @@ def _is_var(atom) -> bool:
 
 
 def _castable(var) -> bool:
-    return dtype_of(var.aval) in AUTOCAST_DTYPES
+    return is_castable(getattr(var.aval, "dtype", None))
 
 
 # Ops a carry passes through unchanged in value on its way to being added to (a selection

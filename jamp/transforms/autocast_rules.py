@@ -28,6 +28,13 @@ FLOAT32 = np.dtype(jnp.float32)
 # The dtypes autocast may cast from and to; float64 and float8 types are never touched.
 CASTABLE = frozenset(np.dtype(d) for d in AUTOCAST_DTYPES)
 
+# Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
+# reduce/reduce_window bodies): they run in the traced dtypes. So do primitives whose params
+# declare their result types (callbacks, FFI calls), and scatters with a computation of the
+# user's (`.at[].apply`), which the interpreter recognizes by their params. Scatters that set,
+# add, multiply or take extremes are re-typed for the dtypes they run in.
+PINNED = primitives.TYPED_COMPUTATIONS
+
 
 @dataclasses.dataclass(frozen=True)
 class Region:
@@ -177,9 +184,7 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     if region.enabled and region.entry_dtype is not None:
         operands = [dataclasses.replace(o, current=entered(region, o.current, o.traced))
                     if ok else o for o, ok in zip(operands, castable, strict=True)]
-    # Params that declare the result types (callbacks, FFI calls) or hold computations typed
-    # for the traced dtypes (generic reduce/reduce_window bodies) pin an op to those dtypes.
-    if (traced_only or wide_values or primitive_name in primitives.TYPED_COMPUTATIONS
+    if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
     if float32 and region.enabled:
