@@ -3,7 +3,8 @@ the autograd tools' (`jamp.autograd`: which differentiation acts on a `Function`
 on what, anomaly checks, grad mode, dual levels), the profiler's (`jamp.profile`: name stacks,
 live executables, the AMP report's tally) and the op tables' (`jamp.policy.primitives`). It
 also holds the facts about JAX's primitives that follow its versions: which primitives are
-calls (`CALLS`) and the one walk over a jaxpr's equations and their bodies (`equations`).
+calls (`CALLS`) and where an equation keeps its bodies (`bodies`), which the one walk over a
+jaxpr's equations (`jamp.walker.walk`) reads.
 
 It imports nothing of jamp, so every part of jamp may import it, `jamp.policy` included.
 
@@ -21,7 +22,7 @@ import functools
 import inspect
 import os
 import types
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 from jax import lax
@@ -202,7 +203,7 @@ def with_result_dtype(params: dict, traced_in, new_in) -> dict:
     return dict(params, **changes) if changes else params
 
 
-# -- calls and the walk over every equation -------------------------------------------------
+# -- calls and the bodies of higher-order equations ------------------------------------------
 
 # Calls: one body (`call_body`) takes the equation's operands and returns its results, so
 # binding the body in the equation's place computes the same values. A function call (`jit`,
@@ -219,17 +220,6 @@ def bodies(eqn: JaxprEqn) -> list[Jaxpr]:
     primitive's bodies (a call's body, a scan's, a while's condition and body, a cond's
     branches); empty for a first-order equation."""
     return [getattr(sub, "jaxpr", sub) for sub in jex_core.jaxprs_in_params(eqn.params)]
-
-
-def equations(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
-    """Every equation of `jaxpr` and of the bodies nested in it, depth first: each equation,
-    then those of its bodies. An analysis that must know how a higher-order primitive runs
-    its bodies (once, per iteration, one branch of several) walks `jaxpr.eqns` and `bodies`
-    with a rule per primitive instead."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for body in bodies(eqn):
-            yield from equations(body)
 
 
 def call_body_key(params: dict) -> str:
@@ -423,10 +413,10 @@ def declares_result_types(params: dict) -> bool:
     return "result_avals" in params or "callback" in params
 
 
-def array_literals(closed: ClosedJaxpr) -> list:
-    """The values of the array literals of a jaxpr and its sub-jaxprs (closed-over arrays,
-    under `jax_use_simplified_jaxpr_constants`)."""
-    return [a.val for eqn in equations(closed.jaxpr) for a in eqn.invars
+def array_literals(eqns: Iterable[JaxprEqn]) -> list:
+    """The values of the array literals the equations `eqns` read (closed-over arrays, under
+    `jax_use_simplified_jaxpr_constants`)."""
+    return [a.val for eqn in eqns for a in eqn.invars
             if isinstance(a, Literal) and isinstance(a.val, jax.Array)]
 
 

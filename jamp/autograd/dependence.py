@@ -13,6 +13,12 @@ The answer is read from the program, not from values, so it is the same eagerly 
 outputs take their inputs' masks by a rule per primitive (`_FLOW_RULES`: through a call's
 body, through any of a cond's branches, from every operand by default), as the autocast
 interpreter rewrites each primitive by a rule.
+
+What it shares with the other analyses: `contains` lists equations with the one walk
+(`jamp.walker.walk`), and the flow reads bodies with the same accessors (`_jax_internals`).
+The flow itself is not an equation listing: a body's inputs take the masks of the equation's
+operands, so it runs body by body with its own environment, as an evaluator would, only over
+bitmasks; a loop's body is not entered (each of its outputs may depend on each operand).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from jamp import _jax_internals as jx
+from jamp.policy.dtypes import is_inexact
+from jamp.walker.walk import equations
 
 
 def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[bool, ...], ...]:
@@ -41,15 +48,11 @@ def dependence(fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[tuple[boo
 def contains(fn: Callable[..., Any], args: Sequence[Any], primitive: str) -> bool:
     """True when `fn(*args)` traces to `primitive`, in its body or any nested one."""
     closed = jx.trace_closed(fn, [jax.typeof(a) for a in args])
-    return any(eqn.primitive.name == primitive for eqn in jx.equations(closed.jaxpr))
-
-
-def _differentiable(var) -> bool:
-    return np.issubdtype(var.aval.dtype, np.inexact)
+    return any(eqn.primitive.name == primitive for eqn in equations(closed))
 
 
 def _bit(var, j: int) -> int:
-    return 1 << j if _differentiable(var) else 0
+    return 1 << j if is_inexact(var.aval) else 0
 
 
 def _flow(jaxpr, in_masks: list[int]) -> list[int]:
@@ -63,7 +66,7 @@ def _flow(jaxpr, in_masks: list[int]) -> list[int]:
         ins = [read(a) for a in eqn.invars]
         outs = _FLOW_RULES.get(eqn.primitive.name, _from_every_operand)(eqn, ins)
         for var, mask in zip(eqn.outvars, outs, strict=True):
-            env[var] = mask if _differentiable(var) else 0
+            env[var] = mask if is_inexact(var.aval) else 0
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -89,7 +89,7 @@ Setting = Union[str, np.dtype, "OpTable", "OpRules"]
 # prelu (its matmul), conv*/conv_transpose*, RNN cells (their matmuls); scaled_dot_product_attention
 # and multi-head attention are matmuls too. jnp.dot, tensordot, einsum, inner, vdot and outer all
 # trace to dot_general, so they lower as well (torch promotes `dot` and `tensordot`).
-_LOWER_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+_LOWER_OPS = tuple(sorted(primitives.MATMULS))
 
 # torch CUDA float32 list -> primitives. pow/__pow__/__rpow__/reciprocal -> pow and integer_pow
 # (what `x ** 2` and `jnp.reciprocal` trace to; jax.nn.gelu's tanh form is built on x ** 3, which

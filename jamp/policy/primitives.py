@@ -5,10 +5,11 @@ Op tables are keyed by primitive names (`jax.extend.core.Primitive.name`). torch
 name ATen ops (`softmax`, `layer_norm`, `mse_loss`), most of which are not single primitives in
 JAX: a table entry under such a name would match nothing. This module tells the two apart and, for
 a name that is not a primitive, says what the torch op traces to here. It also sorts primitives
-by what they do to values (move, compute elementwise, reduce), which autocast's rules read.
+by what they do to values (move, compute elementwise, reduce, combine): the one table of
+primitive names that autocast, its dataflow plans and the AMP report read (`ROLES`).
 
-The call primitives and the walk over a jaxpr's equations, which follow JAX's versions, are
-`jamp._jax_internals`' (see `jamp.policy` for why it may import that module).
+The call primitives, which follow JAX's versions, are `jamp._jax_internals`'; the walk over a
+jaxpr's equations is `jamp.walker.walk`'s (see `jamp.policy` for why it may import those).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp import _jax_internals as jx
+from jamp.walker.walk import equations
 
 
-# -- what primitives do to values: the classes autocast's rules read --------------------------
+# -- the table: what primitives do to values, by role --------------------------------------
+# Every class of primitives that jamp's passes read is here (`ROLES` lists them; the call
+# primitives, which follow JAX's versions, are `_jax_internals.CALLS`; the op tables' lists are
+# policy, checked when a table is built). A name that is no primitive of the running JAX, nor
+# one of `VERSION_SPECIFIC`, is an error the tests name.
 
 # Ops that move, reshape or relabel values without computing new ones.
 MOVES = frozenset({
@@ -65,11 +71,43 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"}
 SUMS = frozenset({"reduce_sum"})
 # Products that add up products: with a rank-0 result, two vectors multiplied to one number.
 DOT_PRODUCTS = frozenset({"dot_general"})
+# Matrix products and convolutions: what torch's autocast lowers, whose FLOPs the AMP report
+# counts (as torch's profiler `with_flops` does).
+MATMULS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 # What one torch kernel computes from its inputs, as a chain of primitives.
 CHAIN = (ELEMENTWISE | MOVES | REDUCTIONS | COLLECTIVES | CUMULATIVE | ASSEMBLES
          | frozenset({"pad", "gather"}))
+# Elementwise ops that combine two values: by adding (a bias, a residual) or by scaling (a
+# scale, a gate). A layer's kernel and a normalization apply their parameters with these.
+ADDITIVE = frozenset({"add", "sub", "add_any"})
+SCALING = frozenset({"mul", "div"})
+COMBINING = ADDITIVE | SCALING
+# Additions, elementwise and into a destination.
+ADDS = ADDITIVE | frozenset({"scatter-add", "scatter-sub"})
+# Ops whose result is their first operand's values, moved (a convert changes them).
+SAME_VALUES = (MOVES - {"convert_element_type"}) | frozenset({"stop_gradient"})
+# Ops whose result holds only values of their floating operands (moved, selected, negated):
+# a constant stays a constant, with the same largest magnitude.
+CONSTANT_PRESERVING = MOVES | ASSEMBLES | SELECTIONS | frozenset({
+    "gather", "neg", "abs", "stop_gradient", "pad",
+})
+# Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
+# reduce/reduce_window bodies): autocast runs them in the traced dtypes.
+TYPED_COMPUTATIONS = frozenset({
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+    "select_and_gather_add",
+})
+
+ROLES: dict[str, frozenset[str]] = {
+    "MOVES": MOVES, "ELEMENTWISE": ELEMENTWISE, "ASSEMBLES": ASSEMBLES, "SCATTERS": SCATTERS,
+    "SELECTIONS": SELECTIONS, "REDUCTIONS": REDUCTIONS, "SUMS": SUMS,
+    "DOT_PRODUCTS": DOT_PRODUCTS, "MATMULS": MATMULS, "COLLECTIVES": COLLECTIVES,
+    "CUMULATIVE": CUMULATIVE, "CHAIN": CHAIN, "ADDITIVE": ADDITIVE, "SCALING": SCALING,
+    "COMBINING": COMBINING, "ADDS": ADDS, "SAME_VALUES": SAME_VALUES,
+    "CONSTANT_PRESERVING": CONSTANT_PRESERVING, "TYPED_COMPUTATIONS": TYPED_COMPUTATIONS,
+}
 
 
 def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
@@ -78,16 +116,16 @@ def primitive_names(fn: Callable, *args: Any, **kwargs: Any) -> list[str]:
 
     Example:
       >>> import jax, jax.numpy as jnp, jamp
-      >>> jamp.transforms.primitive_names(jax.nn.softmax, jnp.ones(3))
+      >>> jamp.policy.primitive_names(jax.nn.softmax, jnp.ones(3))
       ['reduce_max', 'max', 'broadcast_in_dim', 'stop_gradient', 'sub', 'exp', 'reduce_sum', 'div']
     """
     jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
-    return list(dict.fromkeys(eqn.primitive.name for eqn in jx.equations(jaxpr)))
+    return list(dict.fromkeys(eqn.primitive.name for eqn in equations(jaxpr)))
 
 
 @functools.lru_cache(maxsize=1)
 def _public_primitive_names() -> frozenset[str]:
-    found = set()
+    found: set[str] = set()
     for module in (jex_core.primitives, lax, lax.linalg):
         found.update(v.name for v in vars(module).values() if isinstance(v, jex_core.Primitive))
     return frozenset(found)
@@ -96,7 +134,7 @@ def _public_primitive_names() -> frozenset[str]:
 def _loaded_primitive_names() -> set[str]:
     # Primitives defined anywhere in the running program, user-defined ones included: looked at
     # only when a name is not among the public ones, since it walks every loaded module.
-    found = set()
+    found: set[str] = set()
     with warnings.catch_warnings():  # some modules warn when their globals are read
         warnings.simplefilter("ignore")
         for module in list(sys.modules.values()):

@@ -2,11 +2,11 @@
 and Flax module, with the FLOPs of its matmuls and convolutions and the bytes of its operands
 and results by dtype, as often as it runs.
 
-First-order equations are counted where they stand. A higher-order equation's work is its
-bodies', and how often each body runs is the primitive's: a rule per primitive
-(`_BODY_RULES`) combines the counts of its bodies, as the autocast interpreter rewrites each
-primitive by a rule. Every other higher-order primitive runs each body once per run of the
-equation (a while loop's trip count is not in the program: its bodies count once).
+How often each equation runs is the walk's (`jamp.walker.walk`: a scan's body per iteration,
+a shard_map's per device, a while loop's once since its trip count is not in the program), and
+so is whether the lowered program writes it where it stands (a jit body called from several
+places is written once). One branch of a cond runs, which one is known only then: the
+costliest is counted as run, the others as written only.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any
 
 import jax.numpy as jnp
 
+from jamp.policy.primitives import MATMULS
 from jamp.profile import stablehlo_converts
 from jamp.transforms.rules import equation_path
+from jamp.walker.walk import Site, walk
 from jamp import _jax_internals as jx
 
-# The primitives whose FLOPs the report counts (as torch's profiler `with_flops` does).
-MATMULS = ("dot_general", "conv_general_dilated")
 CONVERT = "convert_element_type"
 
 
@@ -48,8 +48,7 @@ class Stats:
 class Tally:
     """The statistics of a program, keyed by `("eqn", primitive, module path, lowering)`
     (`lowering` names a first-order equation's lowering, None for others) and, for casts,
-    `("convert", source, target, module path)`. A sub-program is counted into a tally of its
-    own, then added in as often as it runs.
+    `("convert", source, target, module path)`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -60,121 +59,88 @@ class Tally:
       ['dot_general', 'sin']
     """
 
-    def __init__(self, parent: "Tally | None" = None):
+    def __init__(self):
         self.stats: dict[tuple, Stats] = collections.defaultdict(Stats)
-        # Shared by a program and its sub-programs: one equation per kind of lowering, and
-        # the jit bodies already counted statically (jax lowers a jit body called from
-        # several places to one function).
-        self.examples: dict[Any, Any] = {} if parent is None else parent.examples
-        self.written_jits: dict[int, Any] = {} if parent is None else parent.written_jits
+        # One equation per kind of lowering.
+        self.examples: dict[Any, Any] = {}
 
-    def add(self, other: "Tally", times: int, static: bool = True) -> None:
-        for key, stats in other.stats.items():
-            self.stats[key].add(stats, times, static)
-
-    def cost(self) -> tuple[int, int]:
-        """Executed (FLOPs, bytes): what picks a cond's most expensive branch."""
-        flops = sum(sum(s.flops.values()) for s in self.stats.values())
-        return flops, sum(sum(s.bytes.values()) for s in self.stats.values())
-
-    def walk(self, jaxpr, path: tuple[str, ...], times: int) -> None:
+    def walk(self, jaxpr, path: tuple[str, ...] = (), times: int = 1) -> None:
         """Counts the equations of the open jaxpr `jaxpr`, run `times` times inside the
         modules `path`."""
-        for eqn in jaxpr.eqns:
+        sites = list(walk(jaxpr))
+        taken = _taken(sites)
+        modules: dict[tuple, tuple[str, ...]] = {(): tuple(path)}
+        for site, runs in zip(sites, taken, strict=True):
+            eqn = site.eqn
             name = eqn.primitive.name
-            here = equation_path(eqn, path)
-            bodies = jx.bodies(eqn)
-            if bodies:  # a higher-order equation: its work is its bodies'
+            here = equation_path(eqn, _module_path(site.path, modules))
+            count = times * site.times * runs
+            if jx.bodies(eqn):  # a higher-order equation: its work is its bodies'
                 own = self.stats[("eqn", name, here, None)]
-                _BODY_RULES.get(name, _each_body)(self, eqn, bodies, here, times)
             elif name == CONVERT:
                 own = self.stats[("eqn", name, here, None)]
-                self._note_convert(eqn, here, times)
+                self._note_convert(eqn, here, count, site.written)
             else:
                 lowering = stablehlo_converts.lowering_key(eqn)
                 self.examples.setdefault(lowering, eqn)
                 own = self.stats[("eqn", name, here, lowering)]
-            own.static += 1
-            own.count += times
-            if not bodies:
-                flops = _matmul_flops(eqn)
-                if flops:
-                    own.flops[_compute_dtype(eqn)] += flops * times
-                for atom in (*eqn.invars, *eqn.outvars):
-                    dtype, size = _array_bytes(atom.aval)
-                    if size:
-                        own.bytes[dtype] += size * times
+            own.static += site.written
+            own.count += count
+            flops = _matmul_flops(eqn)
+            if flops:
+                own.flops[_compute_dtype(eqn)] += flops * count
+            for dtype, n in _bytes_by_dtype(eqn).items():
+                own.bytes[dtype] += n * count
 
-    def sub(self, body, path: tuple[str, ...]) -> "Tally":
-        """The tally of one run of the open jaxpr `body`."""
-        sub = Tally(self)
-        sub.walk(body, path, 1)
-        return sub
-
-    def _note_convert(self, eqn, path: tuple[str, ...], times: int) -> None:
+    def _note_convert(self, eqn, path: tuple[str, ...], count: int, written: bool) -> None:
         # A weak-type change (float32 -> float32) is a convert of the lowered program too,
         # one XLA removes: counted, so that the count is the program's.
         source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
         stats = self.stats[("convert", str(source), str(target), path)]
-        stats.static += 1
-        stats.count += times
-        stats.bytes[str(target)] += _array_bytes(eqn.outvars[0].aval)[1] * times
+        stats.static += written
+        stats.count += count
+        stats.bytes[str(target)] += _array_bytes(eqn.outvars[0].aval)[1] * count
 
 
-# -- the rules: how often each body of a higher-order equation runs -------------------------
-
-_BodyRule = Callable[[Tally, Any, list, tuple, int], None]
-
-
-def _each_body(tally: Tally, eqn, bodies: list, path: tuple[str, ...], times: int) -> None:
-    """Each body runs once per run of the equation."""
-    for body in bodies:
-        tally.add(tally.sub(body, path), times)
+def _module_path(path: tuple, modules: dict[tuple, tuple[str, ...]]) -> tuple[str, ...]:
+    """The module path of the equations inside the higher-order equations `path` (name stacks
+    inside a body are relative to its equation's), remembered per `path`."""
+    if path not in modules:
+        outer = _module_path(path[:-1], modules)
+        modules[path] = equation_path(path[-1].eqn, outer)
+    return modules[path]
 
 
-def _costliest_branch(tally: Tally, eqn, bodies: list, path: tuple[str, ...],
-                      times: int) -> None:
-    """`cond`: one branch runs, which one is known only then: the costliest is counted as
-    run, the others as written only."""
-    branches = [tally.sub(body, path) for body in bodies]
-    costliest = max(branches, key=Tally.cost)
-    for branch in branches:
-        tally.add(branch, times if branch is costliest else 0)
+def _taken(sites: list[Site]) -> list[int]:
+    """For each site, 1 when it runs as often as the walk says, 0 when it is in a cond branch
+    that is not counted as run: of a cond's branches, the costliest (executed FLOPs, then
+    bytes) is; inner conds are decided first, so a branch's cost is what it runs."""
+    taken = [1] * len(sites)
+    # Each cond where the walk meets it (the same cond may sit in a jit body called twice):
+    # (the path to it, the cond), and the sites of each of its branches.
+    branches: dict[tuple[tuple, Any], dict[int, list[int]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for i, site in enumerate(sites):
+        for depth, around in enumerate(site.path):
+            if around.eqn.primitive.name == "cond":
+                branches[(site.path[:depth], around.eqn)][around.body].append(i)
+    for where in sorted(branches, key=lambda where: len(where[0]), reverse=True):
+        sizes = len(jx.bodies(where[1]))
 
+        def cost(branch: int, where=where) -> tuple[int, int]:
+            flops = bytes_ = 0
+            for i in branches[where].get(branch, ()):
+                runs = sites[i].times * taken[i]
+                flops += _matmul_flops(sites[i].eqn) * runs
+                bytes_ += _counted_bytes(sites[i].eqn) * runs
+            return flops, bytes_
 
-def _per_iteration(tally: Tally, eqn, bodies: list, path: tuple[str, ...], times: int) -> None:
-    """`scan`: the body runs once per iteration."""
-    _each_body(tally, eqn, bodies, path, times * eqn.params["length"])
-
-
-def _per_device(tally: Tally, eqn, bodies: list, path: tuple[str, ...], times: int) -> None:
-    """`shard_map`: the body is one device's share, and runs on each device of its manual
-    mesh axes."""
-    options = jx.shard_map_options(eqn.params)
-    sizes = dict(options["mesh"].shape)
-    devices = math.prod(sizes[a] for a in options.get("axis_names", sizes))
-    _each_body(tally, eqn, bodies, path, times * devices)
-
-
-def _written_once(tally: Tally, eqn, bodies: list, path: tuple[str, ...], times: int) -> None:
-    """`jit`: jax lowers a jit body called from several places to one function of the
-    lowered program, so the body is counted in the program text once, unless jax copies it
-    into each caller (`jax.jit(inline=True)` bodies from jax 0.11)."""
-    body = jx.call_body(eqn)
-    if jx.jit_inlined_when_lowered(eqn.params):
-        tally.add(tally.sub(body.jaxpr, path), times)
-        return
-    written = id(body) in tally.written_jits
-    tally.written_jits[id(body)] = body  # kept alive: its id stays its own
-    tally.add(tally.sub(body.jaxpr, path), times, static=not written)
-
-
-_BODY_RULES: dict[str, _BodyRule] = {
-    "cond": _costliest_branch,
-    "scan": _per_iteration,
-    "shard_map": _per_device,
-    "jit": _written_once,
-}
+        costliest = max(range(sizes), key=cost)
+        for branch, members in branches[where].items():
+            if branch != costliest:
+                for i in members:
+                    taken[i] = 0
+    return taken
 
 
 # -- one first-order equation ---------------------------------------------------------------
@@ -190,11 +156,41 @@ def _matmul_flops(eqn) -> int:
         # Each output element (batch x m x n of them) sums k products.
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         return 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+    if name == "ragged_dot_general":
+        # Each output element sums k products, as a dot_general's; where the ragged dimension
+        # is contracted, the result has one slice per group and each group sums its own
+        # segment of k: the groups together sum k products per element of one slice.
+        numbers = eqn.params["ragged_dot_dimension_numbers"]
+        (lhs_contract, _), _ = numbers.dot_dimension_numbers
+        flops = 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+        if set(numbers.lhs_ragged_dimensions) & set(lhs_contract):
+            flops //= eqn.invars[2].aval.shape[-1]
+        return flops
     # Each output element sums a kernel window of products over the kernel's input features,
     # which are one group's input features (feature_group_count already divided them).
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, window)
     window = math.prod(rhs[d] for d in rhs_spec[2:])
     return 2 * math.prod(out) * window * rhs[rhs_spec[1]]
+
+
+def _bytes_by_dtype(eqn) -> collections.Counter:
+    """The bytes of a first-order equation's operands and results, by dtype; none for a
+    higher-order equation (its work is its bodies')."""
+    found: collections.Counter = collections.Counter()
+    if jx.bodies(eqn):
+        return found
+    for atom in (*eqn.invars, *eqn.outvars):
+        dtype, size = _array_bytes(atom.aval)
+        if size:
+            found[dtype] += size
+    return found
+
+
+def _counted_bytes(eqn) -> int:
+    """The bytes one run of an equation adds to a tally: its operands' and results', and a
+    convert's result once more, as the cast's."""
+    extra = _array_bytes(eqn.outvars[0].aval)[1] if eqn.primitive.name == CONVERT else 0
+    return sum(_bytes_by_dtype(eqn).values()) + extra
 
 
 def _compute_dtype(eqn) -> str:

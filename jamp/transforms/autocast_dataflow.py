@@ -19,6 +19,12 @@ float32 inputs: given those, its elementwise ops run in float32 (its matmuls sti
 many jnp functions (`jnp.clip`, `jnp.where`) are such jits; one whose own chains start from an
 input demands that input, as if inlined. A matmul that asks for full precision
 (`precision=HIGHEST`, as `jnp.linalg`'s composites write their inner matmuls) is a float32 op too.
+
+These passes are dataflows over values: each reads one jaxpr's equations in order (or backwards)
+and follows a value into a call's body by its position. A listing of every equation with its
+enclosing ones (`jamp.walker.walk`, which the tally and `primitive_names` share) would lose
+which value of the body is which operand, so they keep their own loops; the primitive names they
+read are the table's (`jamp.policy.primitives`).
 """
 
 from __future__ import annotations
@@ -31,10 +37,14 @@ from typing import Mapping, Sequence
 
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
-from jamp.policy.primitives import CHAIN, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SUMS
+from jamp.policy.primitives import (
+    ADDS, CHAIN, COMBINING, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SAME_VALUES, SELECTIONS,
+    SUMS,
+)
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
-from jamp.transforms.autocast_rules import Region, is_castable, is_floating
+from jamp.policy.dtypes import is_floating
+from jamp.transforms.autocast_rules import Region, is_castable
 from jamp.transforms.rules import region_of
 
 
@@ -195,10 +205,6 @@ def _is_seed(eqn, region: Region) -> bool:
         rule == LOWER and jx.asks_full_precision(eqn.params))
 
 
-# The ops a normalization kernel applies its statistics and its affine parameters with.
-_APPLIES = frozenset({"add", "add_any", "sub", "mul", "div"})
-
-
 def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: frozenset[int]
                           ) -> tuple[frozenset[int], dict]:
     """The equations that finish a normalization in float32, and the kernels' results.
@@ -250,7 +256,7 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
     for i, eqn in enumerate(eqns):
         name = eqn.primitive.name
         if (i in kernel or not forward[i] or not regions[i].enabled
-                or name not in _APPLIES and (name not in MOVES or name == "convert_element_type")):
+                or name not in COMBINING and (name not in MOVES or name == "convert_element_type")):
             continue
         inputs = [v for v in eqn.invars if _is_var(v) and _castable(v)]
         out = eqn.outvars[0]
@@ -258,7 +264,7 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
         # Statistics (or a scale made of them) applied to a full-size value make it the
         # activation being normalized: flax's BatchNorm in eval mode centres `x` by its
         # running mean outside the chain, then multiplies by `rsqrt(var) * scale`.
-        applies = bool(own) and name in _APPLIES and all(
+        applies = bool(own) and name in COMBINING and all(
             was_broadcast(origin.get(v), out) for v in own)
         if not applies and not all(
                 v in produced or v in near or was_broadcast(origin.get(v), out) for v in inputs):
@@ -370,13 +376,9 @@ def _castable(var) -> bool:
     return is_castable(getattr(var.aval, "dtype", None))
 
 
-# Ops whose result is their first operand's values, moved.
-_SAME_VALUES = (MOVES - {"convert_element_type"}) | {"copy_p", "pvary", "stop_gradient"}
 # Ops a carry passes through unchanged in value on its way to being added to (a selection
 # passes one of its operands, a scatter that sets the values it writes).
-_PASSES = _SAME_VALUES | {"select_n", "scatter"}
-# Additions: elementwise, and into a destination.
-_ADDS = frozenset({"add", "add_any", "sub", "scatter-add", "scatter-sub"})
+_PASSES = SAME_VALUES | {"select_n", "scatter"}
 
 
 def accumulating_carries(body: jx.Jaxpr, carry_in: Sequence[int], carry_out: Sequence[int]
@@ -409,7 +411,7 @@ def _adds_to(jaxpr: jx.Jaxpr, atom, carry: set, depth: int) -> bool:
     def root(a, steps=depth):
         while _is_var(a) and a not in carry and steps > 0:
             eqn = producers.get(a)
-            if eqn is None or not (eqn.primitive.name in _SAME_VALUES or _retypes(eqn)):
+            if eqn is None or not (eqn.primitive.name in SAME_VALUES or _retypes(eqn)):
                 return a
             a, steps = eqn.invars[0], steps - 1
         return a
@@ -424,7 +426,7 @@ def _adds_to(jaxpr: jx.Jaxpr, atom, carry: set, depth: int) -> bool:
         if eqn is None:
             return False
         name = eqn.primitive.name
-        if name in _ADDS:
+        if name in ADDS:
             return any(root(v) in carry or visit(v, steps - 1) for v in floating(eqn))
         if name in _PASSES or _retypes(eqn):
             return any(visit(v, steps - 1) for v in floating(eqn))
@@ -459,7 +461,7 @@ def _passes(jaxpr: jx.Jaxpr, atom, invar, depth: int) -> bool:
         seen.add(a)
         depth -= 1
         eqn = producers.get(a)
-        if eqn is not None and (eqn.primitive.name in _PASSES | {"max", "min", "clamp"}
+        if eqn is not None and (eqn.primitive.name in _PASSES | SELECTIONS
                                 or _retypes(eqn)):
             pending.extend(v for v in eqn.invars if _is_var(v) and is_floating(v.aval))
     return False

@@ -33,10 +33,7 @@ CASTABLE = frozenset(np.dtype(d) for d in AUTOCAST_DTYPES)
 # declare their result types (callbacks, FFI calls), and scatters with a computation of the
 # user's (`.at[].apply`), which the interpreter recognizes by their params. Scatters that set,
 # add, multiply or take extremes are re-typed for the dtypes they run in.
-PINNED = frozenset({
-    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
-    "select_and_gather_add", "argsort",
-})
+PINNED = primitives.TYPED_COMPUTATIONS
 
 
 @dataclasses.dataclass(frozen=True)

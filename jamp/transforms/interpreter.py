@@ -291,15 +291,9 @@ def _weak_scalar(aval) -> bool:
             and rules.is_floating(aval))
 
 
-# Ops whose result holds only values of their floating operands (moved, selected, negated):
-# a constant stays a constant, with the same largest magnitude.
-_CONSTANT_PRESERVING = primitives.MOVES | primitives.ASSEMBLES | frozenset({
-    "gather", "neg", "abs", "stop_gradient", "select_n", "pad", "max", "min", "clamp",
-})
-
-
 def _propagated_constant(name: str, operands: list) -> np.generic | None:
-    if name not in _CONSTANT_PRESERVING or not operands or any(c is None for c in operands):
+    if (name not in primitives.CONSTANT_PRESERVING or not operands
+            or any(c is None for c in operands)):
         return None
     return max(operands, key=lambda c: float(c))
 
@@ -355,7 +349,7 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway). A scale is cast plainly.
-    bias = follower if name in _ADDITIVE else None
+    bias = follower if name in primitives.ADDITIVE else None
     invals = [frame.read_cast(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
     # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
@@ -391,14 +385,11 @@ def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
 
 # What torch computes inside a linear layer's kernel after its matmul: pointwise math and moves.
 _EPILOGUE = primitives.ELEMENTWISE | primitives.MOVES
+
+
 # A full-size value added to a layer's result is a residual or a mask (torch adds those outside
 # the kernel, so they promote); only a bias is part of it. A value the result multiplies or
 # divides is a scale or a gated state, at any size. Other ops promote as usual.
-_ADDITIVE = frozenset({"add", "sub", "add_any"})
-_SCALING = frozenset({"mul", "div"})
-_COMBINING = _ADDITIVE | _SCALING
-
-
 def _follower(eqn, frame: _Frame) -> int | None:
     """The operand that follows a linear layer's low dtype in this op, or None.
 
@@ -409,7 +400,7 @@ def _follower(eqn, frame: _Frame) -> int | None:
     bias, broadcast); multiplied or divided, at any size (a scale, a cell state gated).
     """
     name = eqn.primitive.name
-    if name not in _COMBINING:
+    if name not in primitives.COMBINING:
         return None
     atoms = [a for a in eqn.invars if rules.is_floating(a.aval)]
     if len(atoms) != 2 or any(isinstance(a, jx.Literal) for a in atoms):
@@ -417,7 +408,8 @@ def _follower(eqn, frame: _Frame) -> int | None:
     result = eqn.outvars[0]
     for value, other in ((atoms[0], atoms[1]), (atoms[1], atoms[0])):
         if value in frame.kernel and other not in frame.kernel and other in frame.weights and (
-                name not in _ADDITIVE or dataflow.was_broadcast(frame.weights[other], result)):
+                name not in primitives.ADDITIVE
+                or dataflow.was_broadcast(frame.weights[other], result)):
             return eqn.invars.index(other)
     return None
 

@@ -26,6 +26,7 @@ from jamp import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
 from jamp.transforms import boundary, interpreter, nnx_scopes
 from jamp.transforms import rules as precision_rules
+from jamp.walker.walk import equations
 
 # How a leaf of an output or of the NNX state is produced on each call:
 #   ("out", k): the k-th array output of the program;
@@ -227,7 +228,7 @@ def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, t
     found = {id(a): k for k, a in enumerate(call.reach.arrays)}
     by_value = {id(a) for a in call.reach.scalars}  # in the key: fine to bake in
     lifted, slots, cacheable = [], [], True
-    literals = {id(v): v for v in jx.array_literals(user)}
+    literals = {id(v): v for v in jx.array_literals(equations(user))}
     for slot, value in [*enumerate(user.consts), *((None, v) for v in literals.values())]:
         k = found.get(id(value))
         if k is not None:

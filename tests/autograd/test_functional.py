@@ -365,6 +365,15 @@ def test_strict_sees_through_nested_jit_and_custom_vjp():
     F.vjp(_sin_with_custom_vjp(), jnp.asarray(X), jnp.ones(2), strict=True)
 
 
+
+def test_strict_sees_bfloat16_and_float16_values_require_grad():
+    # torch: a half tensor computed from one that requires grad requires grad too.
+    for dtype in (jnp.bfloat16, jnp.float16):
+        x = jnp.ones(2, dtype)
+        _, grad = F.vjp(lambda a: a * 2, x, x, strict=True)
+        assert grad.dtype == dtype
+
+
 OPTION_ERRORS = {  # name: (call(functional module, m), error, message)
     "forward-needs-vectorize": (
         lambda F, m: F.jacobian(lambda x: x, *arrays(m, X), strategy="forward-mode"),

@@ -27,19 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import jamp
+from jamp.policy import primitives
 
 LOW = "bfloat16"
 # torch's lists (shared/reference/autocast-ops.md, CPU), and ops on none of them.
 LISTS = ("lower", "fp32", "none")
 VARIANTS = ("float32", "mixed")
 
-# Equations that move values rather than compute them.
-_MOVES = frozenset({
-    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev",
-    "slice", "dynamic_slice", "copy", "pvary", "expand_dims", "concatenate", "pad", "gather",
-    "dynamic_update_slice", "select_n", "stop_gradient", "copy_p", "iota", "sharding_constraint",
+# Equations that move values rather than compute them: the table's moves and assemblies, and
+# those that place, select or make values without arithmetic.
+_MOVES = primitives.MOVES | primitives.ASSEMBLES | frozenset({
+    "pad", "gather", "dynamic_update_slice", "select_n", "stop_gradient", "iota",
+    "sharding_constraint",
 })
-_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 INPUT_SCOPE = "parity_lowered_input"
 
 
@@ -220,9 +220,9 @@ def verdict(case: Case, variant: str) -> Verdict:
     if narrow:
         return Verdict(case.name, variant, False, f"computes below {floor}: {', '.join(narrow)}")
     if case.list == "lower":
-        wide = sorted({f"{p}{list(d)}" for p, d in ops if p in _MATMULS
+        wide = sorted({f"{p}{list(d)}" for p, d in ops if p in primitives.MATMULS
                        and any(x != LOW for x in d)})
-        if wide or not any(p in _MATMULS for p, _ in ops):
+        if wide or not any(p in primitives.MATMULS for p, _ in ops):
             return Verdict(case.name, variant, False,
                            f"matmul not in {LOW}: {', '.join(wide) or 'none found'}")
     return Verdict(case.name, variant, True)
