@@ -207,8 +207,9 @@ def with_result_dtype(params: dict, traced_in, new_in) -> dict:
 # Calls: one body (`call_body`) takes the equation's operands and returns its results, so
 # binding the body in the equation's place computes the same values. A function call (`jit`,
 # `closed_call`) is nothing more; `closed_call` is named `eval_jaxpr` from jax 0.11 (same
-# `call_jaxpr` param): the running jax's name.
-FUNCTION_CALLS = frozenset({"jit", jex_core.primitives.closed_call_p.name})
+# `call_jaxpr` param, and the name it leaves in HLO op names): the running jax's name.
+CLOSED_CALL = jex_core.primitives.closed_call_p.name
+FUNCTION_CALLS = frozenset({"jit", CLOSED_CALL})
 # With what a call may add around its body: a rematerialization policy (`remat2`) or a custom
 # derivative rule (`custom_jvp_call`, whose rule is lost when its body is bound instead).
 CALLS = FUNCTION_CALLS | {"remat2", "custom_jvp_call"}

@@ -335,7 +335,7 @@ def _pack(pullback, hooks: saved_tensors_hooks, stored_inside: dict,
 
 
 def _in_device_memory(x) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) != jax.memory.Space.Host
+    return jax.typeof(x).memory_space != jax.memory.Space.Host
 
 
 def _unpack(saved: _Saved, hooks: saved_tensors_hooks):

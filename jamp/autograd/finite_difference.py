@@ -31,17 +31,14 @@ no effect.
 
 gradcheck reads values, so it runs outside `jax.jit`; the function it checks may be jitted.
 
-As torch's `torch.autograd.gradcheck`, `jamp.autograd.gradcheck` is called as the function
-(`jamp.autograd.gradcheck(f, inputs)`) and imported from as the module (`from
-jamp.autograd.gradcheck import gradgradcheck`): this module is callable, so the package's name
-is the module itself rather than a function hiding it.
+The package exports the functions as torch users call them: `jamp.autograd.gradcheck(f,
+inputs)`, `from jamp.autograd import gradcheck, gradgradcheck` (docs/autograd.md says why this
+module is not named `gradcheck`).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-import types
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -454,7 +451,7 @@ def gradcheck(
         Jacobians.
 
     >>> import jax, jax.numpy as jnp
-    >>> from jamp.autograd.gradcheck import gradcheck
+    >>> from jamp.autograd import gradcheck
     >>> with jax.enable_x64(True):
     ...     gradcheck(jnp.sin, jnp.array([0.5, 1.0], jnp.float64))
     True
@@ -545,7 +542,7 @@ def gradgradcheck(
       True when every check passes; False when one fails and `raise_exception` is False.
 
     >>> import jax, jax.numpy as jnp
-    >>> from jamp.autograd.gradcheck import gradgradcheck
+    >>> from jamp.autograd import gradgradcheck
     >>> with jax.enable_x64(True):
     ...     gradgradcheck(lambda x: x ** 3, jnp.array([0.5, 1.0], jnp.float64))
     True
@@ -594,10 +591,4 @@ def gradgradcheck(
                       fast_mode)
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as `gradcheck` (torch's `torch.autograd.gradcheck(...)`)."""
-
-    __call__ = staticmethod(gradcheck)  # no frame of its own: warnings point at the caller
-
-
-sys.modules[__name__].__class__ = _CallableModule
+__all__ = ["GradcheckError", "gradcheck", "gradgradcheck"]

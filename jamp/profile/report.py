@@ -341,8 +341,6 @@ def _compiled_stats(compiled, lowered_converts: list) -> CompiledStats:
         cost = compiled.cost_analysis()
     except NotImplementedError:  # a backend without a cost model
         cost = None
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-        cost = cost[0] if cost else None
     cost = cost or {}
     try:
         sizes = compiled.memory_analysis()
