@@ -104,7 +104,8 @@ def _function_location(fn: Callable) -> str:
     fn = inspect.unwrap(fn)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
-        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+        # The class's own __call__ (for its code), not a test of callability.
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)  # noqa: B004
     name = getattr(fn, "__name__", type(fn).__name__)
     if code is None:
         return name

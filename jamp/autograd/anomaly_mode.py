@@ -63,8 +63,9 @@ import numpy as np
 from jamp._checks import check_bool
 from jamp import _jax_internals as jx
 
-__all__ = ["AnomalyError", "FloatingPointAnomalyError", "anomaly_checked", "detect_anomaly",
-           "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "set_detect_anomaly"]
+__all__ = ["AnomalyError", "Checks", "FloatingPointAnomalyError", "anomaly_checked",
+           "detect_anomaly", "is_anomaly_check_nan_enabled", "is_anomaly_enabled",
+           "set_detect_anomaly"]
 
 _TRACEBACK_TITLE = "Traceback of forward call that caused the error:"
 

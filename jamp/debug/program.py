@@ -162,3 +162,8 @@ def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
         used = 1.0
         traced = jax.make_jaxpr(low_fn)(*args)
     return Program(traced, jax.tree_util.tree_leaves(args), low, backward, used)
+
+
+__all__ = [
+    "build", "checked_argnums", "checked_function", "checked_loss_scale", "Program", "settings"
+]

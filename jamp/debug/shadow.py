@@ -417,3 +417,6 @@ _RULES: dict[str, Callable] = {
     "while": _while,
     "cond": _cond,
 }
+
+
+__all__ = ["Evaluator", "FLOAT32", "HALF", "Probe", "run_once", "Site"]

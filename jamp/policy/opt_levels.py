@@ -204,3 +204,8 @@ def properties(opt_level: str = "O1", *, strict: bool = False, **overrides) -> P
         if value is not None:
             setattr(props, name, value)
     return props
+
+
+__all__ = [
+    "AmpConfigurationWarning", "OPT_LEVELS", "OPTION_NAMES", "OptLevel", "Properties", "properties"
+]

@@ -105,3 +105,6 @@ def get_policy(policy_name: str | Policy) -> Policy:
     compute = chosen.get("compute", param)
     output = chosen.get("output", compute)
     return Policy(param, compute, output)
+
+
+__all__ = ["get_policy", "Policy"]

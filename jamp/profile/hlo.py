@@ -444,3 +444,9 @@ def _memory_stats(executable) -> tuple[int, int]:
         return 0, 0
     return int(getattr(stats, "temp_size_in_bytes", 0)), int(
         getattr(stats, "output_size_in_bytes", 0))
+
+
+__all__ = [
+    "ArrayType", "Instruction", "parse_module", "parse_types", "Program", "ProgramCatalog",
+    "scope_names"
+]
