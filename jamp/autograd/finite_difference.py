@@ -48,6 +48,7 @@ import numpy as np
 
 from jamp import _jax_internals as jx
 from jamp._checks import ArgumentAssertionError, check_bool, check_positive
+from jamp.policy.dtypes import is_inexact
 
 __all__ = ["GradcheckError", "gradcheck", "gradgradcheck"]
 
@@ -71,8 +72,7 @@ def _show(x: np.ndarray) -> str:
 
 def _is_checked(x: Any) -> bool:
     """The inputs that gradcheck differentiates: floating-point and complex arrays."""
-    return (isinstance(x, (jax.Array, np.ndarray, np.generic))
-            and np.issubdtype(x.dtype, np.inexact))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and is_inexact(x)
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -135,7 +135,7 @@ class _Check:
                               f"likely make the check fail.{how}", stacklevel=stacklevel)
         outs = self.call(*self.xs)
         self.out_positions = [i for i, o in enumerate(outs)
-                              if jnp.issubdtype(o.dtype, jnp.inexact)]
+                              if is_inexact(o)]
         self.outs = [outs[i] for i in self.out_positions]
         if any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in self.outs):
             raise NotImplementedError(_COMPLEX)

@@ -29,6 +29,7 @@ def dtype_of(x: Any) -> np.dtype | None:
     (PRNG keys, tokens, Python objects).
 
     >>> import jax.numpy as jnp
+    >>> from jamp.policy.dtypes import dtype_of
     >>> dtype_of(jnp.ones(2, jnp.bfloat16)), dtype_of(object())
     (dtype(bfloat16), None)
     """
