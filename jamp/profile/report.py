@@ -293,9 +293,9 @@ def amp_report(fn: Callable, *args: Any, **kwargs: Any) -> AmpReport:
 # -- the report -----------------------------------------------------------------------------
 
 def _report(tally: Tally, lowering_converts: Mapping[Any, list], compiled) -> AmpReport:
-    primitives = collections.defaultdict(Stats)
-    modules = collections.defaultdict(Stats)
-    converts = collections.defaultdict(Stats)
+    primitives: collections.defaultdict[str, Stats] = collections.defaultdict(Stats)
+    modules: collections.defaultdict[str, Stats] = collections.defaultdict(Stats)
+    converts: collections.defaultdict[tuple, Stats] = collections.defaultdict(Stats)
     for key, stats in tally.stats.items():
         if key[0] == "convert":
             _, source, target, _ = key
@@ -371,7 +371,7 @@ def _flops(value: float) -> str:
     return f"{value:.0f}" if k == 0 else f"{value:.3g}{_SI[k]}"
 
 
-def _amounts(counts: Mapping[str, int], unit: Callable[[float], str]) -> str:
+def _amounts(counts: Mapping[str, int], unit: Callable[[int], str]) -> str:
     """`1.05M bf16, 2.1k f32`: amounts by dtype, the largest first."""
     return ", ".join(f"{unit(n)} {_short(d)}" for d, n in counts.items())
 
