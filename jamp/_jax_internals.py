@@ -105,7 +105,8 @@ def _function_location(fn: Callable) -> str:
     fn = inspect.unwrap(fn)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
-        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+        # The class's own __call__ (for its code), not a test of callability.
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)  # noqa: B004
     name = getattr(fn, "__name__", type(fn).__name__)
     if code is None:
         return name
@@ -208,8 +209,9 @@ def with_result_dtype(params: dict, traced_in, new_in) -> dict:
 # Calls: one body (`call_body`) takes the equation's operands and returns its results, so
 # binding the body in the equation's place computes the same values. A function call (`jit`,
 # `closed_call`) is nothing more; `closed_call` is named `eval_jaxpr` from jax 0.11 (same
-# `call_jaxpr` param): the running jax's name.
-FUNCTION_CALLS = frozenset({"jit", jex_core.primitives.closed_call_p.name})
+# `call_jaxpr` param, and the name it leaves in HLO op names): the running jax's name.
+CLOSED_CALL = jex_core.primitives.closed_call_p.name
+FUNCTION_CALLS = frozenset({"jit", CLOSED_CALL})
 # With what a call may add around its body: a rematerialization policy (`remat2`) or a custom
 # derivative rule (`custom_jvp_call`, whose rule is lost when its body is bound instead).
 CALLS = FUNCTION_CALLS | {"remat2", "custom_jvp_call"}

@@ -2,8 +2,9 @@
 
 - `function`: `Function`, `FunctionCtx`, `once_differentiable` (on `jax.custom_vjp`).
 - `functional`: `jacobian`, `hessian`, `vjp`, `jvp`, `hvp`, `vhp`.
-- `gradcheck`: `gradcheck`, `gradgradcheck`, `GradcheckError` (the module is callable as
-  torch's `torch.autograd.gradcheck(...)`).
+- `gradcheck`, `gradgradcheck`, `GradcheckError`: derivatives checked against finite
+  differences (in `finite_difference`; `jamp.autograd.gradcheck` is the function, as torch
+  users call `torch.autograd.gradcheck(...)`).
 - `graph`: saved-tensor hooks (`saved_tensors_hooks`, `save_on_cpu`,
   `disable_saved_tensors_hooks`, `save_as`).
 - `anomaly_mode`: `detect_anomaly`, `set_detect_anomaly`.
@@ -17,11 +18,11 @@ docs/autograd.md maps every name to torch's, with its status.
 
 from jamp.autograd import (
     anomaly_mode,
+    finite_difference,
     forward_ad,
     function,
     functional,
     grad_mode,
-    gradcheck,
     graph,
     profiler,
 )
@@ -34,11 +35,11 @@ from jamp.autograd.grad_mode import (
     register_hook,
     set_grad_enabled,
 )
-from jamp.autograd.gradcheck import GradcheckError, gradgradcheck
+from jamp.autograd.finite_difference import GradcheckError, gradcheck, gradgradcheck
 
 __all__ = [
     "Function", "FunctionCtx", "GradcheckError", "anomaly_mode", "detect_anomaly",
-    "enable_grad", "forward_ad", "function", "functional", "grad_mode", "gradcheck",
-    "gradgradcheck", "graph", "inference_mode", "no_grad", "once_differentiable", "profiler",
-    "register_hook", "set_detect_anomaly", "set_grad_enabled",
+    "enable_grad", "finite_difference", "forward_ad", "function", "functional", "grad_mode",
+    "gradcheck", "gradgradcheck", "graph", "inference_mode", "no_grad", "once_differentiable",
+    "profiler", "register_hook", "set_detect_anomaly", "set_grad_enabled",
 ]

@@ -68,8 +68,9 @@ from jamp.policy.dtypes import is_inexact
 from jamp.walker import control_flow, nonfinite
 from jamp.walker.evaluate import Env, Interpreter
 
-__all__ = ["AnomalyError", "FloatingPointAnomalyError", "anomaly_checked", "detect_anomaly",
-           "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "set_detect_anomaly"]
+__all__ = ["AnomalyError", "Checks", "FloatingPointAnomalyError", "anomaly_checked",
+           "detect_anomaly", "is_anomaly_check_nan_enabled", "is_anomaly_enabled",
+           "set_detect_anomaly"]
 
 _TRACEBACK_TITLE = "Traceback of forward call that caused the error:"
 

@@ -113,3 +113,6 @@ _FLOW_RULES = {
     "shard_map": _through(lambda eqn: jx.shard_map_body(eqn.params)),
     "cond": _any_branch,
 }
+
+
+__all__ = ["contains", "dependence"]

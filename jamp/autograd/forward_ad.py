@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_internals as jx
+from jamp.policy.dtypes import is_inexact
 
 __all__ = ["UnpackedDualTensor", "dual_level", "enter_dual_level", "exit_dual_level",
            "make_dual", "unpack_dual"]
@@ -126,7 +127,7 @@ def make_dual(tensor: Any, tangent: Any, *, level: int | None = None) -> Any:
     dual = _level(level, "make_dual")
     primal = jnp.asarray(tensor) if isinstance(tensor, (np.ndarray, np.generic)) else tensor
     tangent = jnp.asarray(tangent) if isinstance(tangent, (np.ndarray, np.generic)) else tangent
-    if not isinstance(primal, jax.Array) or not jnp.issubdtype(primal.dtype, jnp.inexact):
+    if not isinstance(primal, jax.Array) or not is_inexact(primal):
         raise TypeError(f"make_dual: the primal must be a floating or complex array, got "
                         f"{tensor!r}.")
     if dual.owns(primal):

@@ -58,15 +58,12 @@ from jax.custom_derivatives import SymbolicZero
 
 from jamp._checks import check_bool
 from jamp.policy.cast import is_numeric_array
+from jamp.policy.dtypes import is_inexact
 from jamp import _jax_internals as jx
 from jamp.transforms.custom_amp import cast_inputs_of
 from jamp.transforms.interpreter import RetraceableCall
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]
-
-
-def _differentiable(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _plural(n: int, word: str) -> str:
@@ -251,7 +248,8 @@ class _Call:
     def rebuild(self, dynamic) -> tuple:
         it = iter(dynamic)
         return tuple(
-            jax.tree_util.tree_unflatten(tree, [next(it) if is_numeric_array(x) else x for x in leaves])
+            jax.tree_util.tree_unflatten(
+                tree, [next(it) if is_numeric_array(x) else x for x in leaves])
             for tree, leaves in zip(self.trees, self.leaves))
 
     def needs_input_grad(self, perturbed) -> tuple[bool, ...]:
@@ -296,7 +294,7 @@ class _Call:
             if g is not None:
                 g = _fit(jnp.asarray(g), self.avals[i], f"backward of {self.name}: the "
                          f"gradient for {self.describe(i)}")
-            out.append(g if needs[i] and _differentiable(self.avals[i]) else None)
+            out.append(g if needs[i] and is_inexact(self.avals[i]) else None)
         return tuple(out)
 
 
@@ -384,7 +382,7 @@ class _Outputs:
 
     def non_differentiable(self, ctx: FunctionCtx) -> tuple[bool, ...]:
         marked = ctx._non_differentiable
-        return tuple(any(o is m for m in marked) or not _differentiable(jax.typeof(o))
+        return tuple(any(o is m for m in marked) or not is_inexact(jax.typeof(o))
                      for o in self.arrays)
 
     def assemble(self, arrays):

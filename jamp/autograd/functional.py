@@ -30,6 +30,7 @@ import numpy as np
 
 from jamp._checks import ArgumentAssertionError, check_bool
 from jamp.autograd.dependence import contains, dependence
+from jamp.policy.dtypes import is_inexact
 
 __all__ = ["hessian", "hvp", "jacobian", "jvp", "vhp", "vjp"]
 
@@ -57,7 +58,7 @@ def _as_tuple(value: Any, what: str, fn_name: str) -> tuple[bool, tuple[jax.Arra
 def _inputs(inputs: Any, fn_name: str) -> tuple[bool, tuple[jax.Array, ...]]:
     is_tuple, xs = _as_tuple(inputs, "inputs", fn_name)
     for i, x in enumerate(xs):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
+        if not is_inexact(x):
             raise TypeError(f"Input {i} given to {fn_name} has dtype {x.dtype}: only floating-"
                             "point and complex inputs can be differentiated (torch's "
                             "requires_grad rule).")
@@ -117,7 +118,7 @@ def _v(v: Any, like: tuple[jax.Array, ...], is_like_tuple: bool, fn_name: str,
 
 
 def _cast(v: jax.Array, like: jax.Array):
-    if jnp.issubdtype(like.dtype, jnp.inexact):
+    if is_inexact(like):
         return v.astype(like.dtype)
     return np.zeros(like.shape, jax.dtypes.float0)
 

@@ -24,6 +24,7 @@ from jax import lax
 
 from jamp._checks import check_bool
 from jamp import _jax_internals as jx
+from jamp.policy.dtypes import is_inexact
 
 __all__ = ["enable_grad", "inference_mode", "no_grad", "register_hook", "set_grad_enabled"]
 
@@ -57,8 +58,7 @@ def register_hook(x: Any, hook: Callable[[Any], Any]) -> Any:
         raise TypeError(f"register_hook: hook must be callable, got {hook!r}")
     leaves, tree = jax.tree_util.tree_flatten(x)
     for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+        if not is_inexact(leaf):
             where = f" at {jax.tree_util.keystr(path)}" if path else ""
             raise TypeError(
                 f"register_hook: cannot register a hook on a value that has no gradient: "
@@ -112,7 +112,7 @@ def _stop(tree):
     """`tree` with every floating or complex array leaf behind `lax.stop_gradient`; other
     leaves (integers, Python values) are returned as they are."""
     def stop(x):
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+        if isinstance(x, jax.Array) and is_inexact(x):
             return lax.stop_gradient(x)
         return x
 

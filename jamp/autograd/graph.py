@@ -39,6 +39,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jamp._checks import check_bool
 from jamp.policy.cast import is_numeric_array
+from jamp.policy.dtypes import is_floating
 
 __all__ = ["disable_saved_tensors_hooks", "save_as", "save_on_cpu", "saved_tensors_hooks"]
 
@@ -199,7 +200,7 @@ def save_as(dtype) -> saved_tensors_hooks:
                          f"jnp.float8_e4m3fn, ...), got dtype={dtype!r}")
 
     def pack(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize <= target.itemsize:
+        if not is_floating(x) or x.dtype.itemsize <= target.itemsize:
             return x
         if jnp.finfo(target).maxexp >= jnp.finfo(x.dtype).maxexp:
             return _Narrowed(x.astype(target), None, x.dtype)
@@ -335,7 +336,7 @@ def _pack(pullback, hooks: saved_tensors_hooks, stored_inside: dict,
 
 
 def _in_device_memory(x) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) != jax.memory.Space.Host
+    return jax.typeof(x).memory_space != jax.memory.Space.Host
 
 
 def _unpack(saved: _Saved, hooks: saved_tensors_hooks):

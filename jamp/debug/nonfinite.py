@@ -129,3 +129,6 @@ def _order(key: tuple, scans: tuple, iterations: tuple) -> tuple:
         merged += [*key[start:depth], i]
         start = depth
     return (*merged, *key[start:])
+
+
+__all__ = ["first_nonfinite", "NonFinite"]

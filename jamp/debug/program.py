@@ -15,6 +15,7 @@ from jamp import _jax_internals as jx
 from jamp._checks import check_positive, concrete_float
 from jamp.policy.autocast_tables import (
     autocast_table, canonical_device_type, check_autocast_dtype)
+from jamp.policy.dtypes import FLOAT32, is_floating
 from jamp.transforms import autocast
 from jamp.transforms import rules as precision_rules
 
@@ -117,7 +118,7 @@ def settings(caller: str, dtype: Any, device_type: Any) -> tuple[np.dtype, str]:
     except ValueError:
         raise ValueError(f"{caller} checks a half precision: dtype={dtype!r} is not a "
                          "half dtype; expected float16 or bfloat16.") from None
-    if low == np.dtype(np.float32):
+    if low == FLOAT32:
         raise ValueError(
             f"{caller} checks a half precision: dtype={dtype!r} is float32, which autocast "
             "leaves as it is; expected float16 or bfloat16.")
@@ -148,7 +149,7 @@ def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
     low_fn = autocast(bound, dtype=low, device_type=device, rules=rules)
     out = jax.eval_shape(low_fn, *args)
     backward = (backward and isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
-                and jnp.issubdtype(out.dtype, jnp.floating))
+                and is_floating(out))
     if backward:
         _check_differentiable(argnums, positions, args, caller)
         used = 1.0 if scale is None else scale
@@ -162,3 +163,8 @@ def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
         used = 1.0
         traced = jax.make_jaxpr(low_fn)(*args)
     return Program(traced, jax.tree_util.tree_leaves(args), low, backward, used)
+
+
+__all__ = [
+    "build", "checked_argnums", "checked_function", "checked_loss_scale", "Program", "settings"
+]

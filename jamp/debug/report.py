@@ -493,3 +493,8 @@ def source(eqn) -> tuple[str, str]:
     file, line, _ = chosen
     return f"{file}:{line}", linecache.getline(file, line).strip()
 
+
+__all__ = [
+    "Finding", "precision_report", "PrecisionReport", "RULE_ROUNDS", "SCALE_EXPONENTS", "source",
+    "TOP_LEVEL", "UNDERFLOW_EXPONENTS", "UNDERFLOW_LISTED", "UNDERFLOW_TOLERANCE"
+]

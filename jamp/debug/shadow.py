@@ -47,6 +47,9 @@ from jamp.policy.dtypes import FLOAT32, is_half, is_half_dtype
 from jamp.transforms.rules import equation_path
 from jamp.walker import control_flow
 from jamp.walker.evaluate import Body, Env, Interpreter, literal_value
+
+__all__ = ["Evaluator", "Probe", "Site", "run_once"]
+
 # Moves carry values already probed where they were made (a convert is a rounding: probed).
 _UNPROBED = primitives.MOVES - {"convert_element_type"}
 

@@ -10,7 +10,7 @@ from jamp.frontend.checkpoint import (
     save_checkpoint,
 )
 from jamp.frontend.initialization import initialize
-from jamp.frontend.master_weights import MasterWeightsState, master_params, master_weights
+from jamp.frontend.masters import MasterWeightsState, master_params, master_weights
 
 __all__ = [
     "MasterWeightsState", "checkpoint_from_bytes", "checkpoint_to_bytes", "initialize",

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.frontend.master_weights import plain_state
+from jamp.frontend.masters import plain_state
 from jamp.scaler import (
     CountingStaticLossScale,
     DynamicLossScale,

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import jax
 from flax import serialization
 
-from jamp.frontend.master_weights import MasterWeightsState, plain_state
+from jamp.frontend.masters import MasterWeightsState, plain_state
 from jamp.scaler import LossScaledState
 
 # The key of the layout in a checkpoint's metadata (orbax) or msgpack dict (flax).

@@ -22,33 +22,23 @@ are those that are instances of `flax.linen.BatchNorm`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from flax import nnx
 
-from jamp._checks import check_bool, check_count
-from jamp.frontend.master_weights import master_weights as _master_weights
-from jamp.frontend.master_weights import to_float32
-from jamp.policy import Properties, properties
-from jamp.policy.dtypes import canonical_floating_dtype
-from jamp.policy.opt_levels import OPT_LEVELS
-from jamp.scaler import (
-    CountingStaticLossScale,
-    DynamicLossScale,
-    LossScaledTransformation,
-    loss_scaled,
-)
-from jamp.scaler.loss_scale import is_inexact
+from jamp.frontend.casts import cast_inputs, cast_outputs, check_float32
+from jamp.frontend.nnx_initialization import initialize_nnx
+from jamp.frontend.optimizers import amp_optimizer, as_transformation, param_dtypes
+from jamp.frontend.options import InitializeOptions, as_list
+from jamp.policy import Properties
+from jamp.policy.dtypes import is_inexact_array
 from jamp.transforms import autocast
 
 _BATCH_STATS = "batch_stats"
-# Apex's dynamic loss scaler: 2**16 to start, doubled after 2000 clean steps, halved on overflow.
-_APEX_INIT_SCALE = 2.0**16
-_APEX_SCALE_WINDOW = 2000
 
 
 def initialize(
@@ -116,26 +106,28 @@ def initialize(
       >>> jamp.master_params(opt_state)["kernel"].dtype
       dtype('float32')
     """
-    enabled = check_bool("enabled", enabled)
+    options = InitializeOptions(
+        enabled=enabled, opt_level=opt_level, cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights, loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs, num_losses=num_losses, verbosity=verbosity,
+        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
     if _is_nnx(apply_fns):
-        from jamp.frontend import nnx_initialization  # the NNX form, a module of its own
-        return nnx_initialization.initialize_nnx(
-            apply_fns, variables, enabled=enabled, opt_level=opt_level,
-            cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
-            keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-            loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
-            num_losses=num_losses, verbosity=verbosity, min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale)
+        return initialize_nnx(apply_fns, variables, options)
+    return _initialize_linen(apply_fns, variables, txs, options)
+
+
+def _initialize_linen(apply_fns: Any, variables: Any, txs: Any, options: InitializeOptions):
+    """The linen form of `initialize`: new apply functions, variables and optimizers."""
     fns, fns_listed = as_list(apply_fns)
     all_variables, variables_listed = as_list(variables)
     if len(all_variables) != len(fns):
         raise ValueError(f"initialize got {len(fns)} apply function(s) but {len(all_variables)} "
                          f"set(s) of variables: give one variables dict per model.")
     tx_list, txs_listed = ([], False) if txs is None else as_list(txs)
-    if not enabled:
+    if not options.enabled:
         return (apply_fns, variables) if txs is None else (apply_fns, variables, txs)
-    num_losses = check_count("num_losses", num_losses)
-    verbosity = check_count("verbosity", verbosity, minimum=0)
+    options = options.checked_counts()
     for i, fn in enumerate(fns):
         _check_flax_apply(fn, i if fns_listed else None)
     # A second pass shows first in the optimizers (the variables it returned are half at O2).
@@ -144,22 +136,16 @@ def initialize(
     for i, v in enumerate(all_variables):
         _check_variables(v, i if variables_listed else None)
 
-    overrides = dict(cast_model_type=cast_model_type,
-                     patch_torch_functions=patch_torch_functions,
-                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-                     loss_scale=loss_scale)
-    props = properties(opt_level, **overrides)
-    if verbosity:
-        print_options(opt_level, props)
-    if keep_batchnorm_fp32 is not None:
+    props = options.properties()
+    if options.keep_batchnorm_fp32 is not None:
         for i, v in enumerate(all_variables):
             if not batch_norm_paths(v):
                 where = f"model {i}" if fns_listed else "the model"
                 raise ValueError(
-                    f"keep_batchnorm_fp32={keep_batchnorm_fp32!r} was given, but {where} has no "
-                    f"BatchNorm layer (no module keeps batch_stats): leave it None.")
-    outputs_dtype = (None if cast_model_outputs is None
-                     else canonical_floating_dtype(cast_model_outputs, "cast_model_outputs"))
+                    f"keep_batchnorm_fp32={options.keep_batchnorm_fp32!r} was given, but "
+                    f"{where} has no BatchNorm layer (no module keeps batch_stats): leave it "
+                    f"None.")
+    outputs_dtype = options.outputs_dtype()
 
     model_dtype = props.cast_model_type
     keep_bn = bool(props.keep_batchnorm_fp32) if model_dtype is not None else True
@@ -168,8 +154,8 @@ def initialize(
     new_fns = [_amp_apply(fn, props, outputs_dtype) for fn in fns]
     allowed = param_dtypes(model_dtype, keep_bn)
     returned_params = [v["params"] for v in new_variables]
-    new_txs = [amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed,
-                              returned_params)
+    new_txs = [amp_optimizer(tx, props, options.num_losses, options.min_loss_scale,
+                             options.max_loss_scale, allowed, returned_params)
                for tx in tx_list]
 
     out_fns = new_fns if fns_listed else new_fns[0]
@@ -181,16 +167,8 @@ def initialize(
 
 def _is_nnx(models: Any) -> bool:
     """True for an `nnx.Module` or a list of them (the NNX form of `initialize`)."""
-    from flax import nnx
     first = models[0] if type(models) in (list, tuple) and models else models
     return isinstance(first, nnx.Module)
-
-
-def as_list(value) -> tuple[list, bool]:
-    # Exactly a list or tuple: an optax GradientTransformation is a NamedTuple, not a list.
-    if type(value) in (list, tuple):
-        return list(value), True
-    return [value], False
 
 
 def _check_flax_apply(fn: Any, index: int | None) -> None:
@@ -216,72 +194,8 @@ def _check_variables(variables: Any, index: int | None) -> None:
         raise TypeError(f"{where} must be a Flax variables dict with a 'params' collection "
                         f"(what model.init returns), got {type(variables).__name__}.")
     for path, leaf in jax.tree_util.tree_leaves_with_path(variables):
-        if is_inexact(leaf):
+        if is_inexact_array(leaf):
             check_float32(f"{where}{jax.tree_util.keystr(path)}", leaf.dtype)
-
-
-def check_float32(where: str, dtype: Any) -> None:
-    """Apex's float32 check of the models given to initialize (their params and buffers),
-    with the way out: a half value is what initialize returns (a second pass), float64 is
-    cast by the user.
-
-    Raises:
-      ValueError: a real floating `dtype` other than float32.
-    """
-    dtype = np.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype == np.float32:
-        return
-    if dtype == np.float64:
-        hint = "Cast the model to float32 first."
-    else:
-        hint = ("Half values are what jamp.initialize returns: if it returned these already, "
-                "keep using what it returned, or pass the model's original float32 variables "
-                "through initialize once.")
-    raise ValueError(f"{where} is {dtype}: jamp.initialize takes float32 models (the float32 "
-                     f"variables model.init returns), as Apex's float32 check does: no cast "
-                     f"to half before initialize. {hint}")
-
-
-def as_transformation(tx: Any, where: str) -> optax.GradientTransformation:
-    """An optimizer given to `initialize`, as the optax transformation to set up: itself, or
-    the transformation of an `optax.MultiSteps` (which optax and Flax take for one).
-
-    Raises:
-      RuntimeError: `tx` scales losses already (set up by `initialize`, or made by
-        `jamp.loss_scaled`): Apex's "should only be passed through amp.initialize once".
-      TypeError: `tx` is not an optax transformation.
-    """
-    if isinstance(tx, AmpTransformation):
-        raise RuntimeError(
-            f"{where} was set up by jamp.initialize already: an optimizer is passed through "
-            f"initialize once (Apex: \"A given optimizer should only be passed through "
-            f"amp.initialize once.\"), and a second pass would wrap its loss scale in another "
-            f"one and unscale every grad twice. Keep using it as initialize set it up, or, to "
-            f"set the model up again (at another level), start from your own optax optimizer "
-            f"(a new optax.adam(...), say) and the model's float32 parameters.")
-    if isinstance(tx, LossScaledTransformation):
-        raise RuntimeError(
-            f"{where} is already loss-scaled (made by jamp.loss_scaled): initialize adds the "
-            f"loss scale (and master weights) itself, and a second one would unscale every "
-            f"grad twice. Give initialize the plain optax optimizer.")
-    if isinstance(tx, optax.MultiSteps):
-        return tx.gradient_transformation()
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"{where} must be an optax GradientTransformation or optax.MultiSteps, "
-                        f"got {tx!r}.")
-    return tx
-
-
-def print_options(opt_level: str, props) -> None:
-    print(f"Selected optimization level {OPT_LEVELS[opt_level].brief}")
-    print()
-    print("Defaults for this optimization level are:")
-    for name, value in properties(opt_level).options.items():
-        print(f"{name:22} : {value}")
-    print("Processing user overrides (additional kwargs that are not None)...")
-    print("After processing overrides, optimization options are:")
-    for name, value in props.options.items():
-        print(f"{name:22} : {value}")
 
 
 # --- the model's variables --------------------------------------------------------------------
@@ -318,7 +232,8 @@ def cast_model(variables: Any, dtype: Any, keep_batchnorm_fp32: bool) -> Any:
 
     def cast_params(path, leaf):
         keys = tuple(_key(k) for k in path)
-        if not is_inexact(leaf) or (keep_batchnorm_fp32 and _under(keys[:-1], norms)):
+        if (not is_inexact_array(leaf, python_scalars=True)
+                or (keep_batchnorm_fp32 and _under(keys[:-1], norms))):
             return leaf
         return jnp.asarray(leaf).astype(dtype)
 
@@ -326,37 +241,13 @@ def cast_model(variables: Any, dtype: Any, keep_batchnorm_fp32: bool) -> Any:
     out["params"] = jax.tree_util.tree_map_with_path(cast_params, variables["params"])
     if _BATCH_STATS in variables and not keep_batchnorm_fp32:
         out[_BATCH_STATS] = jax.tree_util.tree_map(
-            lambda x: jnp.asarray(x).astype(dtype) if is_inexact(x) else x,
+            lambda x: (jnp.asarray(x).astype(dtype) if is_inexact_array(x, python_scalars=True)
+                       else x),
             variables[_BATCH_STATS])
     return type(variables)(out) if not isinstance(variables, dict) else out
 
 
-def param_dtypes(model_dtype, keep_bn) -> frozenset:
-    if model_dtype is None:
-        return frozenset({np.dtype(np.float32)})
-    return frozenset({np.dtype(model_dtype), np.dtype(np.float32)} if keep_bn
-                     else {np.dtype(model_dtype)})
-
-
 # --- the apply function -----------------------------------------------------------------------
-
-
-def cast_inputs(tree: Any, dtype: Any) -> Any:
-    """Apex's input cast: floating JAX arrays to `dtype`, objects with a `to(dtype)` method
-    through it, containers recursively. numpy arrays and Python numbers pass through uncast
-    (as Apex forwards numpy arrays)."""
-
-    def is_custom(x):
-        return callable(getattr(x, "to", None)) and not isinstance(x, (jax.Array, np.ndarray))
-
-    def cast(x):
-        if is_custom(x):
-            return x.to(dtype)
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree_util.tree_map(cast, tree, is_leaf=is_custom)
 
 
 def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
@@ -400,7 +291,8 @@ def _keep_dtypes(updates: Any, variables: Any) -> Any:
     step returns the state types it was given."""
     def keep(path, new):
         old = _lookup(variables, path)
-        if old is not None and is_inexact(new) and hasattr(old, "dtype"):
+        if (old is not None and is_inexact_array(new, python_scalars=True)
+                and hasattr(old, "dtype")):
             return jnp.asarray(new).astype(old.dtype)
         return new
 
@@ -416,96 +308,4 @@ def _lookup(tree, path):
     return tree
 
 
-def cast_outputs(out: Any, dtype) -> Any:
-    if dtype is None:
-        return out
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if isinstance(x, jax.Array)
-        and jnp.issubdtype(x.dtype, jnp.floating) else x, out)
-
-
-# --- the optimizer ----------------------------------------------------------------------------
-
-
-def apex_loss_scale(setting: Any, min_loss_scale: float | None, max_loss_scale: float):
-    """The loss scale Apex's `loss_scale` option asks for: dynamic (Apex's scaler: 2**16,
-    window 2000, factor 2, with the floor and ceiling) or a static number (counting its
-    unskipped steps, as Apex's static scaler does)."""
-    if setting == "dynamic":
-        floor = 0.0 if min_loss_scale is None else min_loss_scale
-        return DynamicLossScale(jnp.float32(_APEX_INIT_SCALE), period=_APEX_SCALE_WINDOW,
-                                factor=2, min_loss_scale=jnp.float32(floor),
-                                max_loss_scale=max_loss_scale)
-    return CountingStaticLossScale(jnp.float32(setting))
-
-
-class AmpTransformation(LossScaledTransformation):
-    """An optimizer `initialize` returns: `jamp.loss_scaled` of the user's (at O2 inside
-    `jamp.master_weights`). Its type tells a second `initialize` that it is set up already."""
-
-    __slots__ = ()
-
-
-def amp_optimizer(tx, props, num_losses, min_loss_scale, max_loss_scale, allowed,
-                   returned_params):
-    scales = [apex_loss_scale(props.loss_scale, min_loss_scale, max_loss_scale)
-              for _ in range(num_losses)]
-    if not props.master_weights:
-        tx = _state_in_float32(tx)
-    amp_tx = loss_scaled(tx, scales[0] if num_losses == 1 else scales, num_losses=num_losses)
-    if props.master_weights:
-        amp_tx = _master_weights(amp_tx, num_losses=num_losses)
-
-    def init(params):
-        _check_optimizer_params(params, props.opt_level, allowed, returned_params)
-        return amp_tx.init(params)
-
-    return AmpTransformation(init, amp_tx.update)
-
-
-def _state_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`tx` run on float32 copies of the params, so its state is float32 from `init` on.
-
-    Without master weights the grads reach the optimizer unscaled in float32 (the scale is
-    float32), and an optimizer initialized from half params would turn its half moments into
-    float32 ones at the first update: a state whose types change (a jitted step compiles
-    twice, `lax.scan` over steps fails). Apex's half optimizer state would instead keep Adam's
-    second moment in float16, where it underflows. The updates are cast to the params' dtypes
-    by `optax.apply_updates` as usual. For float32 params this changes nothing.
-    """
-    tx = optax.with_extra_args_support(tx)
-
-    def init(params):
-        return tx.init(to_float32(params))
-
-    def update(updates, state, params=None, **extra_args):
-        return tx.update(updates, state, None if params is None else to_float32(params),
-                         **extra_args)
-
-    return optax.GradientTransformationExtraArgs(init, update)
-
-
-def _check_optimizer_params(params, opt_level, allowed, returned_params) -> None:
-    """Refuses params that are not those `initialize` returned (the float32 originals given
-    to an O2 optimizer, say): leaf by leaf against a returned model of the same structure,
-    else against the dtypes the level allows."""
-    structure = jax.tree_util.tree_structure(params)
-    like = [r for r in returned_params if jax.tree_util.tree_structure(r) == structure]
-    expected = (jax.tree_util.tree_leaves(like[0]) if like
-                else [None] * structure.num_leaves)
-    for (path, leaf), ref in zip(jax.tree_util.tree_leaves_with_path(params), expected,
-                                 strict=True):
-        if not is_inexact(leaf):
-            continue
-        dtype = np.dtype(leaf.dtype)
-        wanted = {np.dtype(ref.dtype)} if ref is not None else allowed
-        if dtype not in wanted:
-            raise ValueError(
-                f"this optimizer was set up for the {opt_level} params jamp.initialize "
-                f"returned, but params{jax.tree_util.keystr(path)} is {dtype} (expected "
-                f"{' or '.join(sorted(d.name for d in wanted))}): initialize it with the params "
-                f"jamp.initialize returned.")
-
-
-__all__: Sequence[str] = ("initialize", "cast_model", "cast_inputs", "batch_norm_paths",
-                          "apex_loss_scale")
+__all__ = ["batch_norm_paths", "cast_model", "initialize"]

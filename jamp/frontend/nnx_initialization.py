@@ -2,7 +2,7 @@
 
 The NNX form takes what an NNX user has, an `nnx.Module` and an `nnx.Optimizer` (or lists of
 them), and sets them up at Apex's opt level (the options, defaults and overrides are those of
-the linen form, `jamp.frontend.initialization`):
+the linen form, read from one `jamp.frontend.options.InitializeOptions`):
 
 - O0: float32 throughout (params cast to float32, floating inputs cast to float32).
 - O1: params float32; the model's `__call__` runs under `jamp.autocast(dtype=float16)`.
@@ -15,7 +15,7 @@ the linen form, `jamp.frontend.initialization`):
 
 Every optimizer's transformation becomes `jamp.loss_scaled(...)` of the user's (with
 `jamp.master_weights` around it when the level keeps masters): the same
-`initialization.amp_optimizer` the linen form returns.
+`jamp.frontend.optimizers.amp_optimizer` the linen form returns.
 
 **In place, as Apex.** NNX models and optimizers are mutable objects that other code holds
 references to (a training loop, a checkpoint manager, an `nnx.Optimizer` made for the model),
@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,40 +76,20 @@ import optax
 from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
-from jamp._checks import check_bool, check_count
-from jamp.frontend.initialization import (
+from jamp.frontend.casts import cast_inputs, cast_outputs, check_float32
+from jamp.frontend.optimizers import (
     amp_optimizer,
     apex_loss_scale,
-    as_list,
     as_transformation,
-    cast_inputs,
-    cast_outputs,
-    check_float32,
     param_dtypes,
-    print_options,
 )
-from jamp.policy import properties
-from jamp.policy.dtypes import canonical_floating_dtype
+from jamp.frontend.options import InitializeOptions, as_list
+from jamp.policy.dtypes import is_inexact_array
 from jamp.scaler import find_loss_scaled_states
 from jamp.transforms import autocast
 
 
-def initialize_nnx(
-    models: Any,
-    optimizers: Any = None,
-    enabled: bool = True,
-    opt_level: str = "O1",
-    cast_model_type: Any = None,
-    patch_torch_functions: bool | None = None,
-    keep_batchnorm_fp32: Any = None,
-    master_weights: bool | None = None,
-    loss_scale: Any = None,
-    cast_model_outputs: Any = None,
-    num_losses: int = 1,
-    verbosity: int = 1,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float = 2.0**24,
-):
+def initialize_nnx(models: Any, optimizers: Any, options: InitializeOptions):
     """Sets up Flax NNX models and optimizers, in place, for mixed precision at an Apex opt
     level. `jamp.initialize` calls it when given an `nnx.Module` (or a list of them).
 
@@ -118,16 +98,9 @@ def initialize_nnx(
       optimizers: an `nnx.Optimizer` made for the model (`nnx.Optimizer(model, tx,
         wrt=nnx.Param)`), or a list of them, one per model in the same order; None for
         inference.
-      enabled: False returns everything unchanged.
-      opt_level: "O0", "O1", "O2" or "O3" (the letter O).
-      cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
-        Apex's overrides of the level's options (None keeps the level's value).
-      cast_model_outputs: a dtype the models' outputs are cast to, at any level.
-      num_losses: K losses, each with its own loss scale (`jamp.scale_loss(...,
-        loss_id=k)`); `optimizer.update(model, grads)` then takes a sequence of K grad
-        states (None for a loss that reaches none of the model's params).
-      verbosity: 1 prints Apex's "Selected optimization level" block; 0 is silent.
-      min_loss_scale, max_loss_scale: the dynamic loss scale's floor (None: none) and ceiling.
+      options: `jamp.initialize`'s keywords. With `num_losses` K > 1,
+        `optimizer.update(model, grads)` takes a sequence of K grad states (None for a loss
+        that reaches none of the model's params).
 
     Returns:
       The models given, changed in place (a list where a list was given), or
@@ -171,7 +144,6 @@ def initialize_nnx(
       >>> jamp.master_params(optimizer.opt_state)["linear"]["kernel"].dtype
       dtype('float32')
     """
-    enabled = check_bool("enabled", enabled)
     model_list, models_listed = as_list(models)
     opt_list, opts_listed = ([], False) if optimizers is None else as_list(optimizers)
     if optimizers is not None and len(opt_list) != len(model_list):
@@ -179,10 +151,9 @@ def initialize_nnx(
             f"initialize got {len(model_list)} model(s) but {len(opt_list)} optimizer(s): the "
             f"NNX form pairs them by position, one nnx.Optimizer per model (give a model "
             f"twice for two optimizers of it).")
-    if not enabled:
+    if not options.enabled:
         return models if optimizers is None else (models, optimizers)
-    num_losses = check_count("num_losses", num_losses)
-    verbosity = check_count("verbosity", verbosity, minimum=0)
+    options = options.checked_counts()
     where_model = lambda i: f"models[{i}]" if models_listed else "the model"
     where_opt = lambda i: f"optimizers[{i}]" if opts_listed else "the optimizer"
     unique = _unique(model_list)
@@ -194,24 +165,17 @@ def initialize_nnx(
         _check_optimizer(optimizer, where_opt(i), opt_list[:i])
         _check_pairing(optimizer, i, model_list, where_opt(i), where_model)
 
-    overrides = dict(cast_model_type=cast_model_type,
-                     patch_torch_functions=patch_torch_functions,
-                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-                     loss_scale=loss_scale)
-    props = properties(opt_level, **overrides)
-    if verbosity:
-        print_options(opt_level, props)
-    if keep_batchnorm_fp32 is not None:
+    props = options.properties()
+    if options.keep_batchnorm_fp32 is not None:
         for i, model in enumerate(model_list):
             if not batch_norm_modules(model):
                 raise ValueError(
-                    f"keep_batchnorm_fp32={keep_batchnorm_fp32!r} was given, but "
+                    f"keep_batchnorm_fp32={options.keep_batchnorm_fp32!r} was given, but "
                     f"{where_model(i)} has no BatchNorm layer (no nnx.BatchNorm, no module "
                     f"keeping nnx.BatchStat statistics): leave it None.")
-    outputs_dtype = (None if cast_model_outputs is None
-                     else canonical_floating_dtype(cast_model_outputs, "cast_model_outputs"))
+    outputs_dtype = options.outputs_dtype()
     if opt_list:  # a bad floor or ceiling raises here, before anything is changed
-        apex_loss_scale(props.loss_scale, min_loss_scale, max_loss_scale)
+        apex_loss_scale(props.loss_scale, options.min_loss_scale, options.max_loss_scale)
 
     model_dtype = props.cast_model_type
     model_dtype = None if model_dtype is None else np.dtype(model_dtype)
@@ -223,8 +187,7 @@ def initialize_nnx(
         _amp_model(model, settings, keep_bn)
     allowed = param_dtypes(model_dtype, keep_bn)
     for optimizer, model in zip(opt_list, model_list):  # none, or one per model (checked)
-        _amp_nnx_optimizer(optimizer, model, props, num_losses, min_loss_scale,
-                           max_loss_scale, allowed)
+        _amp_nnx_optimizer(optimizer, model, props, options, allowed)
 
     out_models = list(model_list) if models_listed else model_list[0]
     if optimizers is None:
@@ -245,11 +208,6 @@ def _unique(items: list) -> list:
 
 def _is_amp(node: Any) -> bool:
     return getattr(type(node), "_jamp_amp", False)
-
-
-def _floating_array(x: Any) -> bool:
-    return (isinstance(x, (jax.Array, np.ndarray))
-            and jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def _variables(model: Any) -> list[tuple[tuple, nnx.Variable]]:
@@ -275,7 +233,7 @@ def _check_model(model: Any, where: str) -> None:
                                f"each model through initialize once.")
     for path, v in _variables(model):
         value = v.get_raw_value()
-        if _floating_array(value):
+        if is_inexact_array(value):
             check_float32(f"{where}{_path(path)}", value.dtype)
 
 
@@ -363,7 +321,7 @@ def _amp_model(model, settings: _Settings, keep_bn: bool) -> None:
         kept = {id(v) for norm in norms for _, v in _variables(norm)} if keep_bn else set()
         for _, v in _variables(model):
             value = v.get_raw_value()
-            if not _floating_array(value) or np.dtype(value.dtype) == dtype:
+            if not is_inexact_array(value) or np.dtype(value.dtype) == dtype:
                 continue
             if isinstance(v, nnx.BatchStat) and not keep_bn:
                 v.set_value(jnp.asarray(value).astype(dtype))
@@ -381,7 +339,7 @@ def _stored_in_own_dtype(variable, value):
     dtype the Variable holds (BatchNorm computes its running averages in float32 and writes
     them into half statistics at O3)."""
     raw = variable.get_raw_value()
-    if _floating_array(value) and _floating_array(raw) and value.dtype != raw.dtype:
+    if is_inexact_array(value) and is_inexact_array(raw) and value.dtype != raw.dtype:
         return jnp.asarray(value).astype(raw.dtype)
     return value
 
@@ -476,7 +434,7 @@ def _floating_dtypes(model) -> list[tuple[nnx.Variable, np.dtype]]:
     out = []
     for _, v in _variables(model):
         value = v.get_raw_value()
-        if _floating_array(value):
+        if is_inexact_array(value):
             out.append((v, value.dtype))
     return out
 
@@ -487,19 +445,19 @@ def _restore_dtypes(dtypes) -> None:
     mutated collections in their dtypes."""
     for v, dtype in dtypes:
         value = v.get_raw_value()
-        if _floating_array(value) and value.dtype != dtype:
+        if is_inexact_array(value) and value.dtype != dtype:
             v.set_value(value.astype(dtype))
 
 
 # --- the optimizer ----------------------------------------------------------------------------
 
 
-def _amp_nnx_optimizer(optimizer, model, props, num_losses, min_loss_scale, max_loss_scale,
-                       allowed) -> None:
+def _amp_nnx_optimizer(optimizer, model, props, options: InitializeOptions, allowed) -> None:
     """Gives `optimizer` jamp's transformation and a state made from the (cast) model."""
     params = nnx.state(model, optimizer.wrt, **_state_kw(optimizer))
+    num_losses = options.num_losses
     tx = amp_optimizer(as_transformation(optimizer.tx, "the optimizer"), props, num_losses,
-                       min_loss_scale, max_loss_scale, allowed, [params])
+                       options.min_loss_scale, options.max_loss_scale, allowed, [params])
     opt_state = to_opt_state(tx.init(params))
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(opt_state)
@@ -532,4 +490,4 @@ def _multi_loss_class(base: type, num_losses: int) -> type:
                      lambda: {"update": update, "_jamp_num_losses": num_losses})
 
 
-__all__: Sequence[str] = ("initialize_nnx", "batch_norm_modules")
+__all__ = ["batch_norm_modules", "initialize_nnx"]

@@ -18,10 +18,10 @@ from jamp.policy.autocast_tables import (
     OpTable,
     autocast_table,
 )
-from jamp.policy.cast import cast_floating, cast_to_full, cast_to_half, is_floating_array
+from jamp.policy.cast import cast_floating, cast_to_full, cast_to_half
 from jamp.policy.dtypes import DTYPE_NAMES as dtype_to_names
 from jamp.policy.dtypes import NAME_TO_DTYPE as name_to_dtype
-from jamp.policy.dtypes import half_dtype, parse_dtype
+from jamp.policy.dtypes import half_dtype, is_floating_array, parse_dtype
 from jamp.policy.opt_levels import (
     OPT_LEVELS,
     AmpConfigurationWarning,

@@ -43,7 +43,8 @@ user's own rules.
 Extend or override a table with `OpTable.updated` / `OpTable.without` and pass it to
 `jamp.autocast(..., op_table=...)`:
 
-    table = jamp.policy.autocast_table("cuda").updated({"logistic": FP32, "dot_general": "bfloat16"})
+    table = jamp.policy.autocast_table("cuda").updated(
+        {"logistic": FP32, "dot_general": "bfloat16"})
     loss = jamp.autocast(loss_fn, device_type="cuda", op_table=table)
 
 This module is data and the checks of it. It uses no JAX internals (of `jax.extend.core` only
@@ -64,7 +65,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp.policy import primitives
-from jamp.policy.dtypes import canonical_floating_dtype
+from jamp.policy.dtypes import AUTOCAST_DTYPES, canonical_floating_dtype
 
 LOWER = "lower"
 FP32 = "fp32"
@@ -82,7 +83,9 @@ Rule = Union[str, np.dtype]
 # wider rule), an `OpTable`, or op rules to change in the table that applies (`OpRules`).
 OFF = "off"
 ON = "on"
-AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+# The dtypes autocast can use, named in torch's order (float16, bfloat16, float32).
+_ACCEPTED = ", ".join(d.name for d in sorted(AUTOCAST_DTYPES,
+                                              key=lambda d: (d.itemsize, d.name[0] == "b")))
 Setting = Union[str, np.dtype, "OpTable", "OpRules"]
 
 # torch: __matmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul multi_dot mm mv linear matmul
@@ -286,14 +289,14 @@ def check_autocast_dtype(dtype) -> np.dtype:
     Raises:
       ValueError: naming the value and the accepted dtypes.
     """
-    accepted = ", ".join(AUTOCAST_DTYPES)
+    accepted = _ACCEPTED
     try:
         result = canonical_floating_dtype(dtype, "dtype")
     except ValueError:
         raise ValueError(
             f"autocast dtype={dtype!r} is not a floating dtype autocast can use: expected one "
             f"of {accepted}.") from None
-    if result.name not in AUTOCAST_DTYPES:
+    if result not in AUTOCAST_DTYPES:
         raise ValueError(
             f"autocast dtype={dtype!r} is not supported: expected one of {accepted} "
             "(float64 values are never cast by autocast).")
@@ -318,7 +321,7 @@ def check_setting(setting: Any, rule: Any) -> Setting:
     except ValueError:
         raise ValueError(
             f"Precision rule {rule!r} sets {setting!r}: expected a dtype autocast can use "
-            f"({', '.join(AUTOCAST_DTYPES)}), {OFF!r} (autocast off: the program's own "
+            f"({_ACCEPTED}), {OFF!r} (autocast off: the program's own "
             f"dtypes), {ON!r} (the transform's own dtype and op table), a "
             "jamp.policy.OpTable, or a dict of op rules to change in the table "
             "({'exp': FP32}).") from None
@@ -417,3 +420,10 @@ def autocast_table(device_type: str) -> OpTable:
     """The default op table of a device type ("cuda" or its aliases "gpu" and "rocm", "cpu",
     "tpu")."""
     return DEFAULT_TABLES[canonical_device_type(device_type)]
+
+
+__all__ = [
+    "ACCEPTED_DEVICE_TYPES", "ACCUMULATE_FP32", "autocast_table", "canonical_device_type",
+    "check_autocast_dtype", "check_setting", "DEFAULT_TABLES", "DEVICE_ALIASES", "FP32",
+    "FP32_STATISTICS", "LOWER", "OFF", "ON", "OpRules", "OpTable", "Rule", "RULES", "Setting"
+]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.policy.dtypes import canonical_floating_dtype, half_dtype
+from jamp.policy.dtypes import canonical_floating_dtype, half_dtype, is_floating_array
 
 T = TypeVar("T")
 
@@ -29,11 +29,6 @@ def is_numeric_array(x) -> bool:
     if isinstance(x, jax.Array):
         return True
     return isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind not in "OSUMm"
-
-
-def is_floating_array(x) -> bool:
-    """True for a JAX or numpy array of a real floating dtype."""
-    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def cast_floating(tree: T, dtype) -> T:
@@ -66,3 +61,6 @@ def cast_to_full(tree: T) -> T:
 def cast_to_half(tree: T) -> T:
     """Casts the floating leaves of `tree` to `half_dtype()` (bfloat16 on TPU, else float16)."""
     return cast_floating(tree, half_dtype())
+
+
+__all__ = ["cast_floating", "cast_to_full", "cast_to_half", "is_numeric_array"]

@@ -29,6 +29,7 @@ def dtype_of(x: Any) -> np.dtype | None:
     (PRNG keys, tokens, Python objects).
 
     >>> import jax.numpy as jnp
+    >>> from jamp.policy.dtypes import dtype_of
     >>> dtype_of(jnp.ones(2, jnp.bfloat16)), dtype_of(object())
     (dtype(bfloat16), None)
     """
@@ -197,3 +198,11 @@ def short_name(dtype) -> str:
     dtype = np.dtype(dtype)
     names = DTYPE_NAMES.get(dtype)
     return names[0] if names else dtype.name
+
+
+__all__ = [
+    "ACCEPTED_DTYPE_NAMES", "AUTOCAST_DTYPES", "BFLOAT16", "canonical_floating_dtype",
+    "DTYPE_NAMES", "dtype_of", "FLOAT16", "FLOAT32", "half_dtype", "HALF_DTYPES", "is_floating",
+    "is_floating_array", "is_half", "is_half_dtype", "is_inexact", "is_inexact_array",
+    "NAME_TO_DTYPE", "parse_dtype", "POLICY_KEYS", "short_name"
+]

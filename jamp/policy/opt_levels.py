@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import jax.numpy as jnp
 import numpy as np
 
 from jamp._checks import check_bool, parse_loss_scale
-from jamp.policy.dtypes import canonical_floating_dtype
+from jamp.policy.dtypes import FLOAT16, FLOAT32, canonical_floating_dtype
 
 OPTION_NAMES = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
                 "keep_batchnorm_fp32", "master_weights", "loss_scale")
@@ -38,7 +37,7 @@ OPT_LEVELS: dict[str, OptLevel] = {
     level.name: level for level in (
         OptLevel(
             "O0", "O0: Pure FP32 training.",
-            dict(enabled=True, opt_level="O0", cast_model_type=np.dtype(jnp.float32),
+            dict(enabled=True, opt_level="O0", cast_model_type=FLOAT32,
                  patch_torch_functions=False, keep_batchnorm_fp32=None,
                  master_weights=False, loss_scale=1.0)),
         OptLevel(
@@ -48,12 +47,12 @@ OPT_LEVELS: dict[str, OptLevel] = {
                  master_weights=None, loss_scale="dynamic")),
         OptLevel(
             "O2", "O2: FP16 training with FP32 batchnorm and FP32 master weights.",
-            dict(enabled=True, opt_level="O2", cast_model_type=np.dtype(jnp.float16),
+            dict(enabled=True, opt_level="O2", cast_model_type=FLOAT16,
                  patch_torch_functions=False, keep_batchnorm_fp32=True,
                  master_weights=True, loss_scale="dynamic")),
         OptLevel(
             "O3", "O3: Pure FP16 training.",
-            dict(enabled=True, opt_level="O3", cast_model_type=np.dtype(jnp.float16),
+            dict(enabled=True, opt_level="O3", cast_model_type=FLOAT16,
                  patch_torch_functions=False, keep_batchnorm_fp32=False,
                  master_weights=False, loss_scale=1.0)),
     )
@@ -111,7 +110,7 @@ class Properties:
         if value is not None and value is not False:
             value = canonical_floating_dtype(value, what="cast_model_type")
         if self.opt_level == "O1" and value is not None and value is not False \
-                and value != np.dtype(jnp.float32):
+                and value != FLOAT32:
             self._warn_or_err(
                 "O1 inserts casts around operations rather than casting model weights, so "
                 "with O1 the weights themselves should stay float32. To cast the model to "
@@ -204,3 +203,8 @@ def properties(opt_level: str = "O1", *, strict: bool = False, **overrides) -> P
         if value is not None:
             setattr(props, name, value)
     return props
+
+
+__all__ = [
+    "AmpConfigurationWarning", "OPT_LEVELS", "OPTION_NAMES", "OptLevel", "Properties", "properties"
+]

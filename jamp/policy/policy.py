@@ -11,7 +11,13 @@ from typing import TypeVar
 import numpy as np
 
 from jamp.policy.cast import cast_floating
-from jamp.policy.dtypes import POLICY_KEYS, canonical_floating_dtype, parse_dtype, short_name
+from jamp.policy.dtypes import (
+    FLOAT32,
+    POLICY_KEYS,
+    canonical_floating_dtype,
+    parse_dtype,
+    short_name,
+)
 
 T = TypeVar("T")
 
@@ -101,7 +107,10 @@ def get_policy(policy_name: str | Policy) -> Policy:
             raise ValueError(f"{field} is given twice in policy {policy_name!r}.")
         chosen[field] = parse_dtype(value)
 
-    param = chosen.get("param", np.dtype(np.float32))
+    param = chosen.get("param", FLOAT32)
     compute = chosen.get("compute", param)
     output = chosen.get("output", compute)
     return Policy(param, compute, output)
+
+
+__all__ = ["get_policy", "Policy"]

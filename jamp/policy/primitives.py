@@ -211,3 +211,10 @@ def unknown_name_hint(name: str) -> str:
 LIST_PRIMITIVES_HINT = ("List the primitives a function traces to with "
                         "jamp.transforms.primitive_names(fn, *args), or pass a "
                         "jax.extend.core.Primitive object for a primitive of your own.")
+
+
+__all__ = [
+    "ASSEMBLES", "CHAIN", "COLLECTIVES", "CUMULATIVE", "DOT_PRODUCTS", "ELEMENTWISE",
+    "LIST_PRIMITIVES_HINT", "MOVES", "primitive_names", "REDUCTIONS", "SCATTERS", "SELECTIONS",
+    "SUMS", "TORCH_COMPOSITES", "unknown_name_hint", "unknown_names", "VERSION_SPECIFIC"
+]

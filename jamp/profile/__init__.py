@@ -9,7 +9,7 @@
 Also available as `jamp.autograd.profiler`. See docs/profile.md.
 """
 
-from jamp.profile.amp_report import AmpReport, amp_report
+from jamp.profile.report import AmpReport, amp_report
 from jamp.profile.events import EventList, FunctionEvent, FunctionEventAvg
 from jamp.profile.profiler import emit_itt, emit_nvtx, profile, record_function
 

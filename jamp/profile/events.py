@@ -396,3 +396,9 @@ def _category(event: FunctionEvent) -> str:
     if event.is_device:
         return "kernel"
     return "cpu_op" if event.kind == "op" else "program"
+
+
+__all__ = [
+    "chrome_events", "CPU", "EventList", "FunctionEvent", "FunctionEventAvg", "SORT_KEYS",
+    "STACK_METRICS"
+]

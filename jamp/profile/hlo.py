@@ -226,14 +226,13 @@ def _own_flops(instruction: Instruction, types: dict[str, tuple[ArrayType, ...]]
 # What JAX writes into an op's name besides the user's named scopes
 # (`jit(step)/transpose(jvp(Model))/while/body/closed_call/Dense_0/dot_general`): the program
 # and nested jitted calls (`jit(f)`), the transformations wrapped around a scope
-# (`jvp(Model)`), the primitives whose body XLA inlined (`closed_call`, named `eval_jaxpr`
-# from jax 0.11, `checkpoint`, `shard_map`) and the regions of control flow (`while/body`,
+# (`jvp(Model)`), the primitives whose body XLA inlined (`closed_call` by the running jax's
+# name, `checkpoint`, `shard_map`) and the regions of control flow (`while/body`,
 # `cond/branch_1_fun`): names from JAX's lowering rules (pjit, lax.control_flow,
 # ad_checkpoint, shard_map).
 _CALL = re.compile(r"(?:jit|pjit|pmap|xla_pmap)\(.*\)")
 _TRANSFORM = re.compile(r"(?:jvp|transpose|vmap)\((.*)\)")
-_INLINED = frozenset({"closed_call", "eval_jaxpr", "checkpoint", "rematted_computation",
-                      "shard_map"})
+_INLINED = frozenset({jx.CLOSED_CALL, "checkpoint", "rematted_computation", "shard_map"})
 _REGIONS = {"while": re.compile(r"body|cond|body_pred"), "cond": re.compile(r"branch_\d+_fun")}
 
 
@@ -445,3 +444,9 @@ def _memory_stats(executable) -> tuple[int, int]:
         return 0, 0
     return int(getattr(stats, "temp_size_in_bytes", 0)), int(
         getattr(stats, "output_size_in_bytes", 0))
+
+
+__all__ = [
+    "ArrayType", "Instruction", "parse_module", "parse_types", "Program", "ProgramCatalog",
+    "scope_names"
+]

@@ -354,3 +354,6 @@ class emit_itt(_EmitRanges):
     """Ranges for Intel's VTune (torch's `emit_itt`), as `emit_nvtx` makes them."""
 
     _tool = "emit_itt"
+
+
+__all__ = ["emit_itt", "emit_nvtx", "profile", "record_function"]

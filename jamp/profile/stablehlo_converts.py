@@ -131,3 +131,6 @@ def _tensor_bytes(dims: str, dtype: str) -> int:
         return math.prod(int(d) for d in dims.split("x") if d) * jnp.dtype(dtype).itemsize
     except (TypeError, ValueError):  # a dynamic dimension (`?`), a type numpy does not know
         return 0
+
+
+__all__ = ["converts_in", "lowering_converts", "lowering_key"]

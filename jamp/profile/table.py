@@ -146,3 +146,6 @@ def format_table(events, *, all_events, device_name, with_flops, profile_memory,
     if has_device:
         lines.append(f"Self {device} time total: {format_time(self_device_total, time_unit)}")
     return "\n".join(lines) + "\n"
+
+
+__all__ = ["format_memory", "format_share", "format_table", "format_time"]

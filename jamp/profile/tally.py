@@ -205,3 +205,6 @@ def _array_bytes(aval) -> tuple[str, int]:
     if dtype is None or shape is None:
         return "", 0
     return str(dtype), math.prod(shape) * getattr(dtype, "itemsize", 0)
+
+
+__all__ = ["CONVERT", "MATMULS", "Stats", "Tally"]

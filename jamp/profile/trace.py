@@ -280,3 +280,6 @@ class _ScopeRange(FunctionEvent):
     @property
     def device_time_total(self) -> float:
         return sum(e.device_time_total for e in self.members)
+
+
+__all__ = ["Options", "read_events"]

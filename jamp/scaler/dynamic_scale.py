@@ -164,3 +164,6 @@ class DynamicScale(struct.PyTreeNode):
         return self.replace(
             fin_steps=jnp.where(grow | ~finite, 0, self.fin_steps + 1),
             scale=jnp.where(finite, on_finite, on_overflow))
+
+
+__all__ = ["DynamicScale", "DynamicScaleResult"]

@@ -370,3 +370,6 @@ class GradScaler:
         self._growth_interval = interval
         self._init_growth_tracker = tracker
         return self.init()
+
+
+__all__ = ["GradScaler", "GradScalerState"]

@@ -389,3 +389,9 @@ _register_static(NoOpLossScale)
 _register_static(StaticLossScale)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+__all__ = [
+    "agree_across", "all_finite", "CountingStaticLossScale", "DynamicLossScale", "is_inexact",
+    "LossScale", "map_inexact", "NoOpLossScale", "select_tree", "StaticLossScale"
+]

@@ -326,3 +326,9 @@ def get_loss_scale(opt_state: Any, loss_id: int = 0) -> Any:
     if loss_id != 0:
         raise ValueError(f"loss_id must be 0 for a single loss scale, got {loss_id!r}.")
     return scales
+
+
+__all__ = [
+    "as_loss_scale", "find_loss_scaled_states", "get_loss_scale", "loss_scaled", "LossScaledState",
+    "LossScaledTransformation"
+]

@@ -56,3 +56,6 @@ serialization.register_serialization_state(
     StaticLossScale, _static, _restore_static, override=True)
 serialization.register_serialization_state(
     NoOpLossScale, _static, _restore_static, override=True)
+
+
+__all__ = []

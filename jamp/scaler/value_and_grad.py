@@ -82,3 +82,6 @@ def scaled_value_and_grad(
         return ScaledValueAndGrad(value, grads, finite, loss_scale.adjust(finite))
 
     return wrapped
+
+
+__all__ = ["scaled_value_and_grad", "ScaledValueAndGrad"]

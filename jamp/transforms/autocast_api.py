@@ -235,3 +235,6 @@ class AutocastRegion:
         # What it is, for tools that take a function not yet transformed (`jamp.debug`).
         transformed.__jamp_autocast__ = repr(self)
         return transformed
+
+
+__all__ = ["autocast", "AutocastRegion"]

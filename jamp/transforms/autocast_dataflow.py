@@ -465,3 +465,9 @@ def _passes(jaxpr: jx.Jaxpr, atom, invar, depth: int) -> bool:
                                 or _retypes(eqn)):
             pending.extend(v for v in eqn.invars if _is_var(v) and is_floating(v.aval))
     return False
+
+
+__all__ = [
+    "accumulating_carries", "float32_equations", "normalization_kernels", "Plan", "plan",
+    "shape_key", "sums_to_scalar", "was_broadcast"
+]

@@ -270,3 +270,10 @@ def _promote(operands: Sequence[Operand], castable, saturate: bool) -> list[np.d
         for i in members:
             targets[i] = target
     return targets
+
+
+__all__ = [
+    "accumulates_in_fp32", "apply_markers", "CASTABLE", "entered", "finite_range", "FLOAT32",
+    "input_targets", "is_castable", "is_floating", "marker", "MARKER_PREFIX", "Operand",
+    "overflows", "parse_markers", "PINNED", "Region", "widest"
+]

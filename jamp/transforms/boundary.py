@@ -368,3 +368,6 @@ def argument_names(fn: Callable, in_tree) -> list[str]:
             head = first.key if first.key in named or varkw is None else f"{varkw}['{first.key}']"
         names[leaf] = head + rest
     return names
+
+
+__all__ = ["argument_names", "Call", "is_array", "is_immutable", "NUMPY_CONTENT_CHECK", "Reach"]

@@ -84,3 +84,6 @@ def custom_bwd(bwd: Callable) -> Callable:
             return bwd(*args, **kwargs)
 
     return wrapper
+
+
+__all__ = ["cast_inputs_of", "custom_bwd", "custom_fwd"]

@@ -746,3 +746,9 @@ HIGHER_ORDER_RULES: dict[str, Callable] = {
     "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _custom_vjp_rule,
 }
+
+
+__all__ = [
+    "cast", "cast_to_avals", "Context", "eval_jaxpr", "HIGHER_ORDER_RULES", "interface_kept",
+    "RetraceableCall", "saturate", "specialized", "specialized_at"
+]

@@ -155,3 +155,6 @@ def _unwrap(classes: set[type]) -> None:
             if not entry[1]:
                 type.__setattr__(cls, "__call__", entry[0])
                 del _WRAPPED[cls]
+
+
+__all__ = ["named_calls"]

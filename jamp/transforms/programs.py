@@ -310,3 +310,6 @@ def _cache_owner(fn):
     if not inspect.isfunction(fn) and inspect.isfunction(getattr(type(fn), "__call__", None)):
         return type(fn).__call__
     return fn
+
+
+__all__ = ["cache_for", "Program", "Source"]

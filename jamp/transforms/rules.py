@@ -465,3 +465,10 @@ def _closest(rule: Rule, paths: list[tuple[str, ...]]) -> str:
     shown = close or sorted({"/".join(p) for p in paths})[:5]
     label = "Closest module paths traced" if close else "Module paths traced include"
     return f" {label}: {', '.join(map(repr, shown))}."
+
+
+__all__ = [
+    "check_matched", "checked_rules", "equation_path", "is_module_scope", "locate", "Location",
+    "module_path", "module_pattern", "region_of", "Rule", "rule_set", "RuleSet", "Scope",
+    "with_rules"
+]

@@ -10,3 +10,5 @@
   autocast's dataflow plans): one walk that yields each equation with the equations around it
   and how many times it runs.
 """
+
+__all__: list[str] = []

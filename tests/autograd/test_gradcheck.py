@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jamp.autograd.gradcheck import GradcheckError, gradcheck, gradgradcheck
+from jamp.autograd import GradcheckError, gradcheck, gradgradcheck
 
 pytestmark = pytest.mark.usefixtures("x64")
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jamp
 from helpers import lowered_op_types, needs_examples_extra
-from jamp.profile.amp_report import AmpReport, amp_report
+from jamp.profile.report import AmpReport, amp_report
 
 B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
 W1 = jnp.full((D_IN, D_HID), 0.1)

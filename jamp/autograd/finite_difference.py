@@ -31,17 +31,14 @@ no effect.
 
 gradcheck reads values, so it runs outside `jax.jit`; the function it checks may be jitted.
 
-As torch's `torch.autograd.gradcheck`, `jamp.autograd.gradcheck` is called as the function
-(`jamp.autograd.gradcheck(f, inputs)`) and imported from as the module (`from
-jamp.autograd.gradcheck import gradgradcheck`): this module is callable, so the package's name
-is the module itself rather than a function hiding it.
+The package exports the functions as torch users call them: `jamp.autograd.gradcheck(f,
+inputs)`, `from jamp.autograd import gradcheck, gradgradcheck` (docs/autograd.md says why this
+module is not named `gradcheck`).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-import types
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -51,6 +48,7 @@ import numpy as np
 
 from jamp import _jax_internals as jx
 from jamp._checks import ArgumentAssertionError, check_bool, check_positive
+from jamp.policy.dtypes import is_inexact
 
 __all__ = ["GradcheckError", "gradcheck", "gradgradcheck"]
 
@@ -74,8 +72,7 @@ def _show(x: np.ndarray) -> str:
 
 def _is_checked(x: Any) -> bool:
     """The inputs that gradcheck differentiates: floating-point and complex arrays."""
-    return (isinstance(x, (jax.Array, np.ndarray, np.generic))
-            and np.issubdtype(x.dtype, np.inexact))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and is_inexact(x)
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -138,7 +135,7 @@ class _Check:
                               f"likely make the check fail.{how}", stacklevel=stacklevel)
         outs = self.call(*self.xs)
         self.out_positions = [i for i, o in enumerate(outs)
-                              if jnp.issubdtype(o.dtype, jnp.inexact)]
+                              if is_inexact(o)]
         self.outs = [outs[i] for i in self.out_positions]
         if any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in self.outs):
             raise NotImplementedError(_COMPLEX)
@@ -454,7 +451,7 @@ def gradcheck(
         Jacobians.
 
     >>> import jax, jax.numpy as jnp
-    >>> from jamp.autograd.gradcheck import gradcheck
+    >>> from jamp.autograd import gradcheck
     >>> with jax.enable_x64(True):
     ...     gradcheck(jnp.sin, jnp.array([0.5, 1.0], jnp.float64))
     True
@@ -545,7 +542,7 @@ def gradgradcheck(
       True when every check passes; False when one fails and `raise_exception` is False.
 
     >>> import jax, jax.numpy as jnp
-    >>> from jamp.autograd.gradcheck import gradgradcheck
+    >>> from jamp.autograd import gradgradcheck
     >>> with jax.enable_x64(True):
     ...     gradgradcheck(lambda x: x ** 3, jnp.array([0.5, 1.0], jnp.float64))
     True
@@ -594,10 +591,4 @@ def gradgradcheck(
                       fast_mode)
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as `gradcheck` (torch's `torch.autograd.gradcheck(...)`)."""
-
-    __call__ = staticmethod(gradcheck)  # no frame of its own: warnings point at the caller
-
-
-sys.modules[__name__].__class__ = _CallableModule
+__all__ = ["GradcheckError", "gradcheck", "gradgradcheck"]

@@ -18,15 +18,17 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jamp.policy.dtypes import HALF_DTYPES, is_half_dtype
 from jamp.profile import stablehlo_converts
 from jamp.profile.table import format_memory
 from jamp.profile.tally import CONVERT, Stats, Tally
 from jamp import _jax_internals as jx
 
-HALF_DTYPES = ("float16", "bfloat16")
 TOP_LEVEL = "(top level)"
+_HALF_NAMES = " or ".join(sorted((d.name for d in HALF_DTYPES), reverse=True))  # f16 first
 
 # `jax.jit`'s wrapper type: an already jitted function is traced, lowered and compiled through
 # its own caches, so a report on a training step a script already compiled compiles nothing.
@@ -158,7 +160,7 @@ class AmpReport:
                      if compiled.memory is not None else ""]
         lines = [
             f"half_flops_fraction {self.half_flops_fraction:.3f} (the share of matmul/conv "
-            f"FLOPs in {' or '.join(HALF_DTYPES)})",
+            f"FLOPs in {_HALF_NAMES})",
             f"matmul/conv FLOPs: {_amounts(self.flops, _flops) or '0'}",
             f"bytes of operands and results: {_amounts(self.bytes, format_memory) or '0'}",
             f"converts: {sum(c.count for c in self.converts)} executed "
@@ -291,9 +293,9 @@ def amp_report(fn: Callable, *args: Any, **kwargs: Any) -> AmpReport:
 # -- the report -----------------------------------------------------------------------------
 
 def _report(tally: Tally, lowering_converts: Mapping[Any, list], compiled) -> AmpReport:
-    primitives = collections.defaultdict(Stats)
-    modules = collections.defaultdict(Stats)
-    converts = collections.defaultdict(Stats)
+    primitives: collections.defaultdict[str, Stats] = collections.defaultdict(Stats)
+    modules: collections.defaultdict[str, Stats] = collections.defaultdict(Stats)
+    converts: collections.defaultdict[tuple, Stats] = collections.defaultdict(Stats)
     for key, stats in tally.stats.items():
         if key[0] == "convert":
             _, source, target, _ = key
@@ -310,7 +312,7 @@ def _report(tally: Tally, lowering_converts: Mapping[Any, list], compiled) -> Am
     total = Stats()
     for stats in primitives.values():
         total.add(stats)
-    half = sum(n for dtype, n in total.flops.items() if dtype in HALF_DTYPES)
+    half = sum(n for dtype, n in total.flops.items() if is_half_dtype(jnp.dtype(dtype)))
     all_flops = sum(total.flops.values())
     return AmpReport(
         half_flops_fraction=half / all_flops if all_flops else 0.0,
@@ -341,8 +343,6 @@ def _compiled_stats(compiled, lowered_converts: list) -> CompiledStats:
         cost = compiled.cost_analysis()
     except NotImplementedError:  # a backend without a cost model
         cost = None
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-        cost = cost[0] if cost else None
     cost = cost or {}
     try:
         sizes = compiled.memory_analysis()
@@ -371,7 +371,7 @@ def _flops(value: float) -> str:
     return f"{value:.0f}" if k == 0 else f"{value:.3g}{_SI[k]}"
 
 
-def _amounts(counts: Mapping[str, int], unit: Callable[[float], str]) -> str:
+def _amounts(counts: Mapping[str, int], unit: Callable[[int], str]) -> str:
     """`1.05M bf16, 2.1k f32`: amounts by dtype, the largest first."""
     return ", ".join(f"{unit(n)} {_short(d)}" for d, n in counts.items())
 
@@ -393,3 +393,6 @@ def _columns(rows: list[tuple[str, ...]], hidden: int) -> list[str]:
     if len(rows) == 1 and not hidden:
         lines.append("(none)")
     return lines + ([f"... {hidden} more (row_limit)"] if hidden else [])
+
+
+__all__ = ["amp_report", "AmpReport", "CompiledStats", "Convert", "Row", "TOP_LEVEL"]

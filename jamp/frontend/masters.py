@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jamp.scaler.loss_scale import is_inexact
+from jamp.policy.dtypes import is_inexact_array
 
 
 class MasterWeightsState(NamedTuple):
@@ -66,7 +66,8 @@ class MasterWeightsState(NamedTuple):
 def to_float32(tree: Any) -> Any:
     """`tree` with its floating and complex leaves as float32 arrays; other leaves as they are."""
     return jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x, jnp.float32) if is_inexact(x) else x, tree)
+        lambda x: jnp.asarray(x, jnp.float32) if is_inexact_array(x, python_scalars=True)
+        else x, tree)
 
 
 def master_weights(inner: optax.GradientTransformation,
@@ -113,7 +114,7 @@ def master_weights(inner: optax.GradientTransformation,
         masters = optax.apply_updates(state.masters, master_updates)
 
         def to_new_master(param, master):
-            if not is_inexact(param):
+            if not is_inexact_array(param, python_scalars=True):
                 return jnp.zeros_like(param)
             landing = jnp.asarray(master).astype(jnp.asarray(param).dtype)
             return landing.astype(jnp.float32) - jnp.asarray(param, jnp.float32)
@@ -121,7 +122,8 @@ def master_weights(inner: optax.GradientTransformation,
         def kept_in_step(param, master, update):
             # A float32 param (a batch norm's, at O2) is its own master: keep the master equal
             # to what `optax.apply_updates` will make of the param, bit for bit.
-            if is_inexact(param) and jnp.asarray(param).dtype == jnp.asarray(master).dtype:
+            if (is_inexact_array(param, python_scalars=True)
+                    and jnp.asarray(param).dtype == jnp.asarray(master).dtype):
                 return optax.apply_updates(param, update)
             return master
 
@@ -175,4 +177,5 @@ def master_params(opt_state: Any, params: Any = None) -> Any:
     return params
 
 
-__all__: Sequence[str] = ("MasterWeightsState", "master_weights", "master_params")
+__all__: Sequence[str] = ("MasterWeightsState", "find_master_states", "master_params",
+                          "master_weights", "plain_state", "to_float32")
