@@ -12,6 +12,7 @@ from jax import lax
 
 from jamp import _jax_internals as jx
 from jamp.walker import control_flow as cf
+from jamp.walker import walk
 from jamp.walker.evaluate import Interpreter
 
 
@@ -49,7 +50,7 @@ class Identity(Interpreter):
 
 
 def _names(closed):
-    return sorted(eqn.primitive.name for eqn in jx.equations(closed.jaxpr))
+    return sorted(eqn.primitive.name for eqn in walk.equations(closed.jaxpr))
 
 
 @jax.custom_vjp
