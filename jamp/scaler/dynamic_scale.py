@@ -29,7 +29,8 @@ from flax import struct
 from jax import lax
 
 from jamp._checks import check_count, check_positive
-from jamp.scaler.loss_scale import all_finite, is_inexact
+from jamp.scaler.loss_scale import all_finite, map_inexact
+from jamp.scaler.protocol import loss_scale_dataclass
 
 _FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -50,11 +51,13 @@ class DynamicScaleResult(NamedTuple):
     grad: Any
 
 
-class DynamicScale(struct.PyTreeNode):
+@loss_scale_dataclass
+class DynamicScale:
     """Dynamic loss scaling for mixed-precision grads: flax's `DynamicScale`, field for field.
 
-    A pytree (it fits in a Flax `TrainState`); `value_and_grad` wraps a loss function the way
-    `jax.value_and_grad` does and returns a `DynamicScaleResult`.
+    A pytree (it fits in a Flax `TrainState`) with flax's `replace`; `value_and_grad` wraps a
+    loss function the way `jax.value_and_grad` does and returns a `DynamicScaleResult`. Its
+    `scale` is flax's field, the current value, so it is not a `jamp.scaler.LossScale`.
 
     Attributes:
       growth_factor: multiplies the scale after a run of finite steps (2.0).
@@ -142,12 +145,9 @@ class DynamicScale(struct.PyTreeNode):
                 aux = (value[0] / self.scale, value[1]) if with_value else value[1]
             else:
                 aux = value / self.scale if with_value else None
-            grad = jax.tree_util.tree_map(
-                lambda g: jnp.asarray(g, jnp.float32) / self.scale if is_inexact(g) else g,
-                grad)
+            grad = map_inexact(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grad)
             if axis_name is not None:
-                grad = jax.tree_util.tree_map(
-                    lambda g: lax.pmean(g, axis_name) if is_inexact(g) else g, grad)
+                grad = map_inexact(lambda g: lax.pmean(g, axis_name), grad)
             finite = all_finite(grad)
             return DynamicScaleResult(self._next(finite), finite, aux, grad)
 

@@ -40,7 +40,7 @@ def _jmp(ns):
 def _grad_scaler(ns):
     params, opt_state, state = ns["train_step"](ns["params"], ns["opt_state"],
                                                 ns["scaler_state"], ns["batch"])
-    assert int(state.growth_tracker) == 1
+    assert int(state.counter) == 1
     params2, _, state2 = ns["train_step"](params, opt_state, state, ns["batch"] * np.nan)
     assert np.array_equal(params2["w"], params["w"])
     assert ns["scaler"].get_scale(state2) == 32768.0

@@ -1,0 +1,163 @@
+"""What every loss scale is: the `LossScale` protocol and the one pytree style they are made in.
+
+The optax wrapper, `jamp.scale_loss` / `jamp.state_dict` and the checkpoint code read a loss
+scale only through `LossScale` (and `CountingLossScale` for the step count), so a class of your
+own that has these members works with them as jamp's own do:
+
+    @jamp.scaler.loss_scale_dataclass
+    class HalvingLossScale:
+        loss_scale: jax.Array                                   # a leaf: the state
+        floor: float = flax.struct.field(pytree_node=False, default=1.0)   # a setting
+
+        def scale(self, tree): ...
+        def unscale(self, tree): ...
+        def adjust(self, grads_finite): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import jax
+import numpy as np
+
+from jamp.scaler import serialization
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class LossScale(Protocol):
+    """jmp's loss-scale interface, as a protocol.
+
+    jmp exports `LossScale` as the union of its three classes; here it is the interface they
+    share, so `isinstance(x, LossScale)` holds for every jamp loss scale (jmp's three,
+    `CountingStaticLossScale`, `GradScalerState`), for jmp's own objects and for a class of
+    yours with the same four members. (`DynamicScale` keeps flax's API, whose `scale` is the
+    current value, not a method: it is not one.)
+    """
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current scale, a scalar."""
+
+    def scale(self, tree: T) -> T:
+        """`tree` (a loss) multiplied by the scale."""
+
+    def unscale(self, tree: T) -> T:
+        """`tree` (grads of a scaled loss) divided by the scale."""
+
+    def adjust(self, grads_finite: Any) -> Any:
+        """The loss scale for the next step, given whether this step's grads were finite."""
+
+
+@runtime_checkable
+class CountingLossScale(LossScale, Protocol):
+    """A loss scale that counts finite steps (Apex's `unskipped`) in `counter`."""
+
+    @property
+    def counter(self) -> Any:
+        """Finite steps counted (since the scale last changed, for a dynamic scale)."""
+
+
+class _Setting:
+    """A setting in a pytree's static part: compared by type, dtype and value, handed back as
+    the very object that was given.
+
+    JAX reuses a jit trace when the static parts compare equal. Plain `==` says that 128.0,
+    `np.float32(128.0)` and `jnp.float32(128.0)` are equal, yet a bfloat16 loss times each is
+    bfloat16 or float32, and on a reused trace the output would carry the first call's object.
+    """
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value: Any):
+        self.value = value
+        self._key: Any = None
+
+    def key(self) -> tuple:
+        if self._key is None:
+            self._key = _setting_key(self.value)
+        return self._key
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Setting) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        # Without the Python type: a numpy and a JAX scalar of one value may share a hash.
+        return hash(self.key()[1:])
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _setting_key(x: Any) -> tuple:
+    if isinstance(x, jax.core.Tracer) or type(x) is object:
+        return (type(x), "id", id(x))
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        arr = np.asarray(x)
+        return (type(x), arr.dtype.str, arr.shape, arr.tobytes())
+    return (type(x), x)
+
+
+def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any) -> Any:
+    """Makes `cls` a frozen dataclass and a pytree: the style of every jamp loss scale.
+
+    Fields are the leaves (the state: the scale, a counter); fields declared with flax's
+    `flax.struct.field(pytree_node=False, ...)` are settings, held in the static part of the
+    pytree. A class with settings only is static data, equal to another of equal settings.
+    Rebuilding the pytree calls the constructor, as `jax.tree_util.register_dataclass` does, so
+    `__post_init__` must let leaves that are not numbers (tracers, shape structs) through.
+    `flax.serialization` stores the leaves by field name.
+
+    Why not `flax.struct.dataclass` or `register_dataclass` themselves: they hand the settings
+    to JAX as they are, and JAX compares them with `==` (see `_Setting`) and expects them
+    hashable, which the array settings jmp takes (`min_loss_scale=np.ones([], np.float32)`) are
+    not. Here the static part holds each setting in a `_Setting`; flax's field marker is kept,
+    so the fields read as those of a flax struct.
+
+    Args:
+      cls: the class; `dataclass_options` (such as `eq=False`) go to `dataclasses.dataclass`.
+
+    Returns:
+      The class, with flax's `replace(**changes)`.
+    """
+
+    def make(cls: type[T]) -> type[T]:
+        cls = dataclasses.dataclass(frozen=True, **dataclass_options)(cls)
+        fields = dataclasses.fields(cls)
+        leaves = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+        statics = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+
+        def flatten_with_keys(obj):
+            return ([(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in leaves],
+                    tuple(_Setting(getattr(obj, n)) for n in statics))
+
+        def flatten(obj):
+            return ([getattr(obj, n) for n in leaves],
+                    tuple(_Setting(getattr(obj, n)) for n in statics))
+
+        def unflatten(settings, values):
+            return cls(**dict(zip(leaves, values)),
+                       **{n: s.value for n, s in zip(statics, settings)})
+
+        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        if not leaves:
+            # All static data (jmp's StaticLossScale): compared as JAX compares static parts.
+            cls.__eq__ = lambda a, b: (type(a) is type(b) and
+                                       flatten(a)[1] == flatten(b)[1])  # type: ignore
+            cls.__hash__ = lambda a: hash((type(a), flatten(a)[1]))  # type: ignore
+        serialization.register(cls, leaves)
+        cls.replace = _replace  # type: ignore[attr-defined]
+        return cls
+
+    return make if cls is None else make(cls)
+
+
+def _replace(self: T, **changes: Any) -> T:
+    """A copy with `changes` to its fields (flax's `replace`)."""
+    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+__all__ = ["CountingLossScale", "LossScale", "loss_scale_dataclass"]
