@@ -43,7 +43,7 @@ from jamp._checks import (
     scalar_bool,
 )
 from jamp.policy.dtypes import is_inexact_array
-from jamp.scaler.protocol import LossScale, loss_scale_dataclass
+from jamp.scaler.protocol import LossScale, loss_scale_dataclass, rebuilding
 
 T = TypeVar("T")
 
@@ -155,15 +155,6 @@ def _warn_if_not_floating(x: Any, name: str) -> None:
         dtype = np.asarray(x).dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
-
-
-def _given(x: Any) -> bool:
-    """Whether `x` is a value a caller wrote (a number, a string in its place, an array),
-    rather than a tracer or a stand-in that JAX or its users rebuild a pytree from (a shape
-    struct, a sharding, None): only such leaves are checked."""
-    if isinstance(x, jax.core.Tracer):
-        return False
-    return isinstance(x, (str, int, float, np.ndarray, np.generic, jax.Array))
 
 
 class _MultipliesByLossScale:
@@ -289,7 +280,7 @@ class DynamicLossScale(_MultipliesByLossScale):
     max_loss_scale: Any = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
-        if _given(self.loss_scale):
+        if not rebuilding():
             check_positive("loss_scale", self.loss_scale, allow_zero=True)
             _warn_if_not_floating(self.loss_scale, "loss_scale")
         check_interval("period", self.period)

@@ -1,8 +1,9 @@
 """What every loss scale is: the `LossScale` protocol and the one pytree style they are made in.
 
-The optax wrapper, `jamp.scale_loss` / `jamp.state_dict` and the checkpoint code read a loss
-scale only through `LossScale` (and `CountingLossScale` for the step count), so a class of your
-own that has these members works with them as jamp's own do:
+The optax wrapper and Apex's `jamp.scale_loss` / `state_dict` / `load_state_dict` read a loss
+scale only through `LossScale` (and `CountingLossScale` for the step count), and
+`flax.serialization` stores the leaves of every class made with `loss_scale_dataclass`, so a
+class of your own made so, with these members, works with them as jamp's own do:
 
     @jamp.scaler.loss_scale_dataclass
     class HalvingLossScale:
@@ -16,6 +17,7 @@ own that has these members works with them as jamp's own do:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -25,6 +27,8 @@ import numpy as np
 from jamp.scaler import serialization
 
 T = TypeVar("T")
+
+_REBUILDING = contextvars.ContextVar("rebuilding", default=False)
 
 
 @runtime_checkable
@@ -107,8 +111,9 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
     Fields are the leaves (the state: the scale, a counter); fields declared with flax's
     `flax.struct.field(pytree_node=False, ...)` are settings, held in the static part of the
     pytree. A class with settings only is static data, equal to another of equal settings.
-    Rebuilding the pytree calls the constructor, as `jax.tree_util.register_dataclass` does, so
-    `__post_init__` must let leaves that are not numbers (tracers, shape structs) through.
+    Rebuilding the pytree calls the constructor, as `jax.tree_util.register_dataclass` does,
+    with leaves that may be anything (tracers, shape structs, shardings, path strings):
+    `__post_init__` checks the leaves only when `rebuilding()` is False.
     `flax.serialization` stores the leaves by field name.
 
     Why not `flax.struct.dataclass` or `register_dataclass` themselves: they hand the settings
@@ -139,8 +144,12 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
                     tuple(_Setting(getattr(obj, n)) for n in statics))
 
         def unflatten(settings, values):
-            return cls(**dict(zip(leaves, values)),
-                       **{n: s.value for n, s in zip(statics, settings)})
+            token = _REBUILDING.set(True)
+            try:
+                return cls(**dict(zip(leaves, values)),
+                           **{n: s.value for n, s in zip(statics, settings)})
+            finally:
+                _REBUILDING.reset(token)
 
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
         if not leaves:
@@ -155,9 +164,15 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
     return make if cls is None else make(cls)
 
 
+def rebuilding() -> bool:
+    """True while JAX rebuilds a loss scale from its leaves, which a constructor must then
+    take as they are (the settings are the ones checked when the scale was first made)."""
+    return _REBUILDING.get()
+
+
 def _replace(self: T, **changes: Any) -> T:
     """A copy with `changes` to its fields (flax's `replace`)."""
     return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
-__all__ = ["CountingLossScale", "LossScale", "loss_scale_dataclass"]
+__all__ = ["CountingLossScale", "LossScale", "loss_scale_dataclass", "rebuilding"]
