@@ -43,7 +43,7 @@ from jamp._checks import (
     scalar_bool,
 )
 from jamp.policy.dtypes import is_inexact_array
-from jamp.scaler.protocol import LossScale, loss_scale_dataclass, rebuilding
+from jamp.scaler.protocol import LossScale, loss_scale_dataclass
 
 T = TypeVar("T")
 
@@ -280,9 +280,8 @@ class DynamicLossScale(_MultipliesByLossScale):
     max_loss_scale: Any = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
-        if not rebuilding():
-            check_positive("loss_scale", self.loss_scale, allow_zero=True)
-            _warn_if_not_floating(self.loss_scale, "loss_scale")
+        check_positive("loss_scale", self.loss_scale, allow_zero=True)
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
         check_interval("period", self.period)
         check_growth_factor("factor", self.factor)
         check_positive("min_loss_scale", self.min_loss_scale, allow_zero=True)

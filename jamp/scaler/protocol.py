@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
@@ -29,6 +30,7 @@ from jamp.scaler import serialization
 T = TypeVar("T")
 
 _REBUILDING = contextvars.ContextVar("rebuilding", default=False)
+_HELD = "_static_settings"  # where an object keeps its settings' `_Setting`s
 
 
 @runtime_checkable
@@ -112,8 +114,8 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
     `flax.struct.field(pytree_node=False, ...)` are settings, held in the static part of the
     pytree. A class with settings only is static data, equal to another of equal settings.
     Rebuilding the pytree calls the constructor, as `jax.tree_util.register_dataclass` does,
-    with leaves that may be anything (tracers, shape structs, shardings, path strings):
-    `__post_init__` checks the leaves only when `rebuilding()` is False.
+    but not the checks of `__post_init__`: the leaves may then be anything (tracers, shape
+    structs, shardings, path strings), and the settings were checked when the scale was made.
     `flax.serialization` stores the leaves by field name.
 
     Why not `flax.struct.dataclass` or `register_dataclass` themselves: they hand the settings
@@ -135,28 +137,39 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
         leaves = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
         statics = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
 
+        def settings_of(obj: Any) -> tuple[_Setting, ...]:
+            # Kept on the object: a jitted step compares them at every call.
+            held = vars(obj).get(_HELD)
+            if held is None:
+                held = vars(obj)[_HELD] = tuple(_Setting(getattr(obj, n)) for n in statics)
+            return held
+
         def flatten_with_keys(obj):
-            return ([(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in leaves],
-                    tuple(_Setting(getattr(obj, n)) for n in statics))
+            keyed = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in leaves]
+            return keyed, settings_of(obj)
 
         def flatten(obj):
-            return ([getattr(obj, n) for n in leaves],
-                    tuple(_Setting(getattr(obj, n)) for n in statics))
+            return [getattr(obj, n) for n in leaves], settings_of(obj)
 
         def unflatten(settings, values):
             token = _REBUILDING.set(True)
             try:
-                return cls(**dict(zip(leaves, values)),
-                           **{n: s.value for n, s in zip(statics, settings)})
+                obj = cls(**dict(zip(leaves, values)),
+                          **{n: s.value for n, s in zip(statics, settings)})
             finally:
                 _REBUILDING.reset(token)
+            vars(obj)[_HELD] = settings
+            return obj
 
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        checks = getattr(cls, "__post_init__", None)
+        if checks is not None and not getattr(checks, "skips_rebuilds", False):
+            cls.__post_init__ = _unless_rebuilding(checks)  # type: ignore[attr-defined]
         if not leaves:
             # All static data (jmp's StaticLossScale): compared as JAX compares static parts.
-            cls.__eq__ = lambda a, b: (type(a) is type(b) and
-                                       flatten(a)[1] == flatten(b)[1])  # type: ignore
-            cls.__hash__ = lambda a: hash((type(a), flatten(a)[1]))  # type: ignore
+            cls.__eq__ = lambda a, b: (type(a) is type(b) and  # type: ignore[method-assign]
+                                       settings_of(a) == settings_of(b))
+            cls.__hash__ = lambda a: hash((type(a), settings_of(a)))  # type: ignore
         serialization.register(cls, leaves)
         cls.replace = _replace  # type: ignore[attr-defined]
         return cls
@@ -164,10 +177,16 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
     return make if cls is None else make(cls)
 
 
-def rebuilding() -> bool:
-    """True while JAX rebuilds a loss scale from its leaves, which a constructor must then
-    take as they are (the settings are the ones checked when the scale was first made)."""
-    return _REBUILDING.get()
+def _unless_rebuilding(checks: Any) -> Any:
+    """`checks` (a `__post_init__`), skipped while JAX rebuilds the pytree from its leaves."""
+
+    @functools.wraps(checks)
+    def post_init(self):
+        if not _REBUILDING.get():
+            checks(self)
+
+    post_init.skips_rebuilds = True  # type: ignore[attr-defined]
+    return post_init
 
 
 def _replace(self: T, **changes: Any) -> T:
@@ -175,4 +194,4 @@ def _replace(self: T, **changes: Any) -> T:
     return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
-__all__ = ["CountingLossScale", "LossScale", "loss_scale_dataclass", "rebuilding"]
+__all__ = ["CountingLossScale", "LossScale", "loss_scale_dataclass"]
