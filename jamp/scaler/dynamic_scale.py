@@ -19,6 +19,7 @@ settings that make no sense (a negative factor, a string interval) are refused w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -96,6 +97,10 @@ class DynamicScale:
         check_count("growth_interval", self.growth_interval, minimum=0)
         if self.minimum_scale is not None:
             check_positive("minimum_scale", self.minimum_scale, allow_zero=True)
+
+    def replace(self, **updates: Any) -> "DynamicScale":
+        """A copy with `updates` to its fields (flax's `replace`)."""
+        return dataclasses.replace(self, **updates)
 
     def value_and_grad(
         self,

@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, dataclass_transform, runtime_checkable
 
 import jax
 import numpy as np
+from flax import struct
 
 from jamp.scaler import serialization
 
@@ -99,7 +100,7 @@ class _Setting:
 
 
 def _setting_key(x: Any) -> tuple:
-    if isinstance(x, jax.core.Tracer) or type(x) is object:
+    if isinstance(x, jax.core.Tracer):  # a setting traced inside jit has no value to read
         return (type(x), "id", id(x))
     if isinstance(x, (np.ndarray, np.generic, jax.Array)):
         arr = np.asarray(x)
@@ -107,6 +108,7 @@ def _setting_key(x: Any) -> tuple:
     return (type(x), x)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, struct.field))
 def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any) -> Any:
     """Makes `cls` a frozen dataclass and a pytree: the style of every jamp loss scale.
 
@@ -128,10 +130,10 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
       cls: the class; `dataclass_options` (such as `eq=False`) go to `dataclasses.dataclass`.
 
     Returns:
-      The class, with flax's `replace(**changes)`.
+      The class.
     """
 
-    def make(cls: type[T]) -> type[T]:
+    def make(cls: Any) -> Any:
         cls = dataclasses.dataclass(frozen=True, **dataclass_options)(cls)
         fields = dataclasses.fields(cls)
         leaves = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
@@ -164,14 +166,12 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
         checks = getattr(cls, "__post_init__", None)
         if checks is not None and not getattr(checks, "skips_rebuilds", False):
-            cls.__post_init__ = _unless_rebuilding(checks)  # type: ignore[attr-defined]
+            cls.__post_init__ = _unless_rebuilding(checks)
         if not leaves:
             # All static data (jmp's StaticLossScale): compared as JAX compares static parts.
-            cls.__eq__ = lambda a, b: (type(a) is type(b) and  # type: ignore[method-assign]
-                                       settings_of(a) == settings_of(b))
-            cls.__hash__ = lambda a: hash((type(a), settings_of(a)))  # type: ignore
+            cls.__eq__ = lambda a, b: type(a) is type(b) and settings_of(a) == settings_of(b)
+            cls.__hash__ = lambda a: hash((type(a), settings_of(a)))
         serialization.register(cls, leaves)
-        cls.replace = _replace  # type: ignore[attr-defined]
         return cls
 
     return make if cls is None else make(cls)
@@ -187,11 +187,6 @@ def _unless_rebuilding(checks: Any) -> Any:
 
     post_init.skips_rebuilds = True  # type: ignore[attr-defined]
     return post_init
-
-
-def _replace(self: T, **changes: Any) -> T:
-    """A copy with `changes` to its fields (flax's `replace`)."""
-    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 __all__ = ["CountingLossScale", "LossScale", "loss_scale_dataclass"]

@@ -36,8 +36,9 @@ class HalvingLossScale:
 
     def adjust(self, grads_finite):
         halved = jnp.maximum(self.loss_scale / 2, self.floor).astype(self.loss_scale.dtype)
-        return self.replace(loss_scale=jnp.where(grads_finite, self.loss_scale, halved),
-                            counter=self.counter + grads_finite.astype(jnp.int32))
+        return dataclasses.replace(
+            self, loss_scale=jnp.where(grads_finite, self.loss_scale, halved),
+            counter=self.counter + grads_finite.astype(jnp.int32))
 
 
 # Every loss scale jamp has, built with settings away from their defaults.

@@ -35,7 +35,7 @@ def make(kind):
         for loss_id in range(num_losses):
             ls = js.get_loss_scale(state, loss_id)
             fault_k = fault if loss_id == 0 else jnp.float32(1.0)
-            grads.append(jax.grad(lambda p: ls.scale(
+            grads.append(jax.grad(lambda p, ls=ls, fault_k=fault_k, loss_id=loss_id: ls.scale(
                 jnp.sum(p["w"] ** 2) * fault_k + jnp.sum(p["b"]) * (loss_id + 1)))(params))
         updates, state = tx.update(grads[0] if num_losses == 1 else grads, state, params)
         return optax.apply_updates(params, updates), state
