@@ -116,8 +116,9 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
     `flax.struct.field(pytree_node=False, ...)` are settings, held in the static part of the
     pytree. A class with settings only is static data, equal to another of equal settings.
     Rebuilding the pytree calls the constructor, as `jax.tree_util.register_dataclass` does,
-    but not the checks of `__post_init__`: the leaves may then be anything (tracers, shape
-    structs, shardings, path strings), and the settings were checked when the scale was made.
+    but not `__post_init__`, where the checks belong: the leaves may then be anything
+    (tracers, shape structs, shardings, path strings), and the settings were checked when the
+    scale was made.
     `flax.serialization` stores the leaves by field name.
 
     Why not `flax.struct.dataclass` or `register_dataclass` themselves: they hand the settings
@@ -140,11 +141,13 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
         statics = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
 
         def settings_of(obj: Any) -> tuple[_Setting, ...]:
-            # Kept on the object: a jitted step compares them at every call.
+            # Kept on the object, with the names they are of (a subclass may add settings):
+            # a jitted step compares them at every call.
             held = vars(obj).get(_HELD)
-            if held is None:
-                held = vars(obj)[_HELD] = tuple(_Setting(getattr(obj, n)) for n in statics)
-            return held
+            if held is None or held[0] is not statics:
+                held = vars(obj)[_HELD] = (
+                    statics, tuple(_Setting(getattr(obj, n)) for n in statics))
+            return held[1]
 
         def flatten_with_keys(obj):
             keyed = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in leaves]
@@ -160,7 +163,7 @@ def loss_scale_dataclass(cls: type[T] | None = None, /, **dataclass_options: Any
                           **{n: s.value for n, s in zip(statics, settings)})
             finally:
                 _REBUILDING.reset(token)
-            vars(obj)[_HELD] = settings
+            vars(obj)[_HELD] = (statics, settings)
             return obj
 
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
