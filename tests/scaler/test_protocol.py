@@ -227,3 +227,14 @@ def test_checkpoint_round_trip_for_every_loss_scale(name):
         assert np.asarray(leaf_restored).dtype == np.asarray(leaf_saved).dtype
         np.testing.assert_array_equal(leaf_restored, leaf_saved)
     assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(target)
+
+
+def test_a_subclass_that_adds_a_setting_compares_and_crosses_jit_with_it():
+    @js.loss_scale_dataclass
+    class Labelled(js.StaticLossScale):
+        label: str = struct.field(pytree_node=False, default="a")
+
+    ls = Labelled(np.float32(8.0))
+    assert ls == Labelled(np.float32(8.0)) and ls != Labelled(np.float32(8.0), "b")
+    out = jax.jit(lambda s: s)(ls)
+    assert out.label == "a" and out.loss_scale is ls.loss_scale
