@@ -17,12 +17,9 @@ import numpy as np
 
 from jamp.frontend.masters import plain_state
 from jamp.scaler import (
-    CountingStaticLossScale,
-    DynamicLossScale,
-    GradScalerState,
+    CountingLossScale,
+    LossScale,
     LossScaledState,
-    NoOpLossScale,
-    StaticLossScale,
     find_loss_scaled_states,
     get_loss_scale,
 )
@@ -84,14 +81,10 @@ def _scales(state: LossScaledState) -> tuple:
     return state.loss_scale if isinstance(state.loss_scale, tuple) else (state.loss_scale,)
 
 
-def _counter(ls: Any) -> int:
+def _counter(ls: LossScale) -> int:
     """Apex's `unskipped`: the finite steps since the scale last changed (a static scale
     never changes; jmp's `StaticLossScale` and `NoOpLossScale` keep no count)."""
-    if isinstance(ls, (DynamicLossScale, CountingStaticLossScale)):
-        return int(np.asarray(ls.counter))
-    if isinstance(ls, GradScalerState):
-        return int(np.asarray(ls.growth_tracker))
-    return 0
+    return int(np.asarray(ls.counter)) if isinstance(ls, CountingLossScale) else 0
 
 
 def state_dict(opt_state: Any) -> dict[str, dict[str, Any]]:
@@ -102,23 +95,17 @@ def state_dict(opt_state: Any) -> dict[str, dict[str, Any]]:
             for k, ls in enumerate(_scales(_the_state(opt_state, "state_dict")))}
 
 
-def _loaded(ls: Any, entry: dict) -> Any:
-    scale, unskipped = entry["loss_scale"], entry["unskipped"]
-    if isinstance(ls, DynamicLossScale):
-        return dataclasses.replace(
-            ls, loss_scale=jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype),
-            counter=jnp.asarray(unskipped, jnp.asarray(ls.counter).dtype))
-    if isinstance(ls, GradScalerState):
-        return dataclasses.replace(ls, loss_scale=jnp.asarray(scale, jnp.float32),
-                                   growth_tracker=jnp.asarray(unskipped, jnp.int32))
-    if isinstance(ls, CountingStaticLossScale):
-        return CountingStaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype),
-                                       counter=jnp.asarray(unskipped, jnp.int32))
-    if isinstance(ls, StaticLossScale):
-        return StaticLossScale(jnp.asarray(scale, jnp.asarray(ls.loss_scale).dtype))
-    if isinstance(ls, NoOpLossScale):
-        return ls
-    raise TypeError(f"cannot load a state into a loss scale of type {type(ls).__name__}.")
+def _loaded(ls: LossScale, entry: dict) -> LossScale:
+    """`ls` with the entry's scale and count, in the dtypes it holds them in: the fields of
+    those names it has (`NoOpLossScale`'s scale is fixed at 1, a static scale keeps no count).
+    """
+    if not dataclasses.is_dataclass(ls):
+        raise TypeError(f"cannot load a state into a loss scale of type {type(ls).__name__}: "
+                        f"load_state_dict sets fields of dataclasses only.")
+    values = {"loss_scale": entry["loss_scale"], "counter": entry["unskipped"]}
+    changes = {f.name: jnp.asarray(values[f.name], jnp.asarray(getattr(ls, f.name)).dtype)
+               for f in dataclasses.fields(ls) if f.name in values}
+    return dataclasses.replace(ls, **changes) if changes else ls
 
 
 def load_state_dict(opt_state: Any, state_dict: dict) -> Any:

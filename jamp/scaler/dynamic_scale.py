@@ -19,6 +19,7 @@ settings that make no sense (a negative factor, a string interval) are refused w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -29,7 +30,8 @@ from flax import struct
 from jax import lax
 
 from jamp._checks import check_count, check_positive
-from jamp.scaler.loss_scale import all_finite, is_inexact
+from jamp.scaler.loss_scale import all_finite, map_inexact
+from jamp.scaler.protocol import loss_scale_dataclass
 
 _FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -50,11 +52,13 @@ class DynamicScaleResult(NamedTuple):
     grad: Any
 
 
-class DynamicScale(struct.PyTreeNode):
+@loss_scale_dataclass
+class DynamicScale:
     """Dynamic loss scaling for mixed-precision grads: flax's `DynamicScale`, field for field.
 
-    A pytree (it fits in a Flax `TrainState`); `value_and_grad` wraps a loss function the way
-    `jax.value_and_grad` does and returns a `DynamicScaleResult`.
+    A pytree (it fits in a Flax `TrainState`) with flax's `replace`; `value_and_grad` wraps a
+    loss function the way `jax.value_and_grad` does and returns a `DynamicScaleResult`. Its
+    `scale` is flax's field, the current value, so it is not a `jamp.scaler.LossScale`.
 
     Attributes:
       growth_factor: multiplies the scale after a run of finite steps (2.0).
@@ -93,6 +97,10 @@ class DynamicScale(struct.PyTreeNode):
         check_count("growth_interval", self.growth_interval, minimum=0)
         if self.minimum_scale is not None:
             check_positive("minimum_scale", self.minimum_scale, allow_zero=True)
+
+    def replace(self, **updates: Any) -> "DynamicScale":
+        """A copy with `updates` to its fields (flax's `replace`)."""
+        return dataclasses.replace(self, **updates)
 
     def value_and_grad(
         self,
@@ -142,12 +150,9 @@ class DynamicScale(struct.PyTreeNode):
                 aux = (value[0] / self.scale, value[1]) if with_value else value[1]
             else:
                 aux = value / self.scale if with_value else None
-            grad = jax.tree_util.tree_map(
-                lambda g: jnp.asarray(g, jnp.float32) / self.scale if is_inexact(g) else g,
-                grad)
+            grad = map_inexact(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grad)
             if axis_name is not None:
-                grad = jax.tree_util.tree_map(
-                    lambda g: lax.pmean(g, axis_name) if is_inexact(g) else g, grad)
+                grad = map_inexact(lambda g: lax.pmean(g, axis_name), grad)
             finite = all_finite(grad)
             return DynamicScaleResult(self._next(finite), finite, aux, grad)
 

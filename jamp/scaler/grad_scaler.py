@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 
 from jamp._checks import (
     StateDictKeyError,
@@ -36,6 +37,7 @@ from jamp._checks import (
     scalar_bool,
 )
 from jamp.scaler.loss_scale import all_finite, map_inexact
+from jamp.scaler.protocol import loss_scale_dataclass
 
 T = TypeVar("T")
 
@@ -60,24 +62,20 @@ def _times(scale: jax.Array, factor: float) -> jax.Array:
     return scale * np.float32(factor)
 
 
-_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval", "enabled")
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
+@loss_scale_dataclass
 class GradScalerState:
-    """What a `GradScaler` step changes, with the settings it runs with; a pytree and a loss
-    scale object (`scale`, `unscale`, `adjust`: what `loss_scaled` calls).
+    """What a `GradScaler` step changes, with the settings it runs with; a pytree and a
+    `LossScale` (`scale`, `unscale`, `adjust`: what `loss_scaled` calls).
 
-    Leaves: `loss_scale` (float32 scalar, torch's `_scale`) and `growth_tracker` (int32 scalar,
-    the count of recent consecutive finite steps). The settings are hashable Python values in
-    the pytree's static structure, as in flax's `DynamicScale`: states of equal settings have
-    one tree structure, whichever scaler made them. Make states with `GradScaler.init`,
-    `update` or `load_state_dict`, which give them the scaler's settings in force.
+    Leaves: `loss_scale` (float32 scalar, torch's `_scale`) and `counter` (int32 scalar,
+    torch's `_growth_tracker`). The settings are hashable Python values in the pytree's static
+    part, as in flax's `DynamicScale`: states of equal settings have one tree structure,
+    whichever scaler made them. Make states with `GradScaler.init`, `update` or
+    `load_state_dict`, which give them the scaler's settings in force.
 
     Attributes:
       loss_scale: the current scale.
-      growth_tracker: consecutive finite steps since the last growth or back-off.
+      counter: consecutive finite steps since the last growth or back-off.
       growth_factor: multiplies the scale after `growth_interval` consecutive finite steps.
       backoff_factor: multiplies the scale after a step with inf or nan grads.
       growth_interval: consecutive finite steps between growths.
@@ -85,31 +83,17 @@ class GradScalerState:
     """
 
     loss_scale: Any
-    growth_tracker: Any
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    enabled: bool = True
+    counter: Any
+    growth_factor: float = struct.field(pytree_node=False, default=2.0)
+    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    enabled: bool = struct.field(pytree_node=False, default=True)
 
     def __post_init__(self):
         if check_bool("enabled", self.enabled):
             check_growth_factor("growth_factor", self.growth_factor)
             check_backoff_factor("backoff_factor", self.backoff_factor)
             check_interval("growth_interval", self.growth_interval)
-
-    def tree_flatten(self):
-        return ((self.loss_scale, self.growth_tracker),
-                tuple(getattr(self, name) for name in _SETTINGS))
-
-    @classmethod
-    def tree_unflatten(cls, settings, leaves) -> "GradScalerState":
-        # Built without __post_init__: JAX passes placeholder leaves here, and the settings
-        # were checked when the flattened state was made.
-        state = object.__new__(cls)
-        for name, value in zip(("loss_scale", "growth_tracker", *_SETTINGS),
-                               (*leaves, *settings)):
-            object.__setattr__(state, name, value)
-        return state
 
     def scale(self, outputs: T) -> T:
         """Multiplies the floating leaves of `outputs` by the scale (torch's dtype rule).
@@ -164,14 +148,14 @@ class GradScalerState:
         if not self.enabled:
             return self
         scale = self.loss_scale
-        successful = optax.safe_increment(self.growth_tracker)  # saturates, never wraps
+        successful = optax.safe_increment(self.counter)  # saturates, never wraps
         grow = successful == self.growth_interval
         grown = _times(scale, self.growth_factor)
         on_finite = jnp.where(grow & jnp.isfinite(grown), grown, scale)
         new_scale = jnp.where(found_inf, _times(scale, self.backoff_factor), on_finite)
         tracker = jnp.where(found_inf | grow, jnp.zeros_like(successful), successful)
         return dataclasses.replace(self, loss_scale=new_scale.astype(jnp.float32),
-                                   growth_tracker=tracker.astype(jnp.int32))
+                                   counter=tracker.astype(jnp.int32))
 
 
 class GradScaler:
@@ -278,11 +262,11 @@ class GradScaler:
                 new_scale = jnp.reshape(new_scale, ())  # torch's one-element tensor
             check_positive("new_scale", new_scale)
             return self._state(jnp.asarray(new_scale, jnp.float32).reshape(()),
-                               state.growth_tracker)
+                               state.counter)
         if found_inf is None:
             raise ValueError("update needs found_inf (from unscale) or a new_scale.")
         found_inf = scalar_bool("found_inf", found_inf)
-        return self._state(state.loss_scale, state.growth_tracker)._adjusted(found_inf)
+        return self._state(state.loss_scale, state.counter)._adjusted(found_inf)
 
     def get_scale(self, state: GradScalerState) -> float:
         """The current scale as a Python float (1.0 when disabled); traced, a float32 scalar."""
@@ -335,7 +319,7 @@ class GradScaler:
             "growth_factor": float(self._growth_factor),
             "backoff_factor": float(self._backoff_factor),
             "growth_interval": int(self._growth_interval),
-            "_growth_tracker": int(np.asarray(state.growth_tracker)),
+            "_growth_tracker": int(np.asarray(state.counter)),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> GradScalerState:

@@ -7,26 +7,31 @@ by changing the import. Where jamp differs, it is on purpose:
 - Only floating and complex leaves are scaled, unscaled and checked (a complex leaf is finite
   when both its parts are); integer, bool and other leaves pass through untouched and never
   count as non-finite (jmp multiplies every leaf).
-- `DynamicLossScale` keeps `min_loss_scale` (and Apex's optional `max_loss_scale`) in its static
-  pytree metadata, so they survive `jax.jit` (jmp's unflatten resets `min_loss_scale`).
+- `DynamicLossScale` keeps `min_loss_scale` (and Apex's optional `max_loss_scale`) in the static
+  part of its pytree, so they come back from `jax.jit` as the objects given (jmp's unflatten
+  resets `min_loss_scale`).
 - Settings jmp accepts are accepted (a zero `loss_scale` or `min_loss_scale` included);
   negative, nan or infinite ones, which jmp would run with, raise `ValueError` naming the value,
   and a wrong type (a string) `TypeError`. Where jmp asserts (a predicate or flag that is not a
   scalar bool), jamp raises `NotScalarBoolError`, both a `ValueError` and an `AssertionError`.
-- `StaticLossScale` compares and hashes by value and kind, so one holding a concrete array can
-  cross a `jax.jit` boundary as static data.
+- `StaticLossScale` compares and hashes by the type, dtype and value of its scale, so one
+  holding a concrete array can cross a `jax.jit` boundary as static data.
+
+All of them are `LossScale`s (`jamp.scaler.protocol`) and made with `loss_scale_dataclass`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 from jax import lax
 
 from jamp._checks import (
@@ -37,19 +42,15 @@ from jamp._checks import (
     concrete_float,
     scalar_bool,
 )
+from jamp.policy.dtypes import is_inexact_array
+from jamp.scaler.protocol import LossScale, loss_scale_dataclass
 
 T = TypeVar("T")
 
 
-def is_inexact(x: Any) -> bool:
-    """True for a floating or complex array (JAX, numpy, tracer) or a Python float/complex.
-
-    These are the leaves a loss scale multiplies and checks: the grads of real and complex
-    parameters alike carry the scale.
-    """
-    if isinstance(x, (float, complex)):
-        return True
-    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+# The leaves a loss scale multiplies and checks: the grads of real and complex parameters
+# alike carry the scale. Under this name for the frontend, which casts the same leaves.
+is_inexact = functools.partial(is_inexact_array, python_scalars=True)
 
 
 def map_inexact(fn, tree: T) -> T:
@@ -146,47 +147,14 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
 
 
 def _warn_if_not_floating(x: Any, name: str) -> None:
-    # jmp warns here too; a placeholder object() comes in while JAX rebuilds a tree.
-    if type(x) is object or isinstance(x, float):
+    # jmp warns here too, except for a Python float.
+    if isinstance(x, float):
         return
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         dtype = np.asarray(x).dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
-
-
-def _value_key(x: Any) -> Any:
-    """A hashable stand-in for a scalar setting, from which `_from_key` rebuilds it.
-
-    Python numbers and None are their own key; a concrete array scalar becomes its value and
-    dtype; anything else (a tracer) is kept as is.
-    """
-    if x is None or isinstance(x, (int, float)):
-        return x
-    v = concrete_float(x)
-    if v is None:
-        return x
-    return ("array", v, str(np.asarray(x).dtype))
-
-
-def _static_key(x: Any) -> Any:
-    """Value and kind of a concrete scalar, else None.
-
-    The kind matters: a jit cache hit between `StaticLossScale(128.0)` (weakly typed) and
-    `StaticLossScale(jnp.float32(128.0))` would hand one the other's output dtypes.
-    """
-    v = concrete_float(x)
-    if v is None:
-        return None
-    kind = type(x).__name__ if isinstance(x, (int, float)) else str(np.asarray(x).dtype)
-    return v, kind
-
-
-def _from_key(key: Any) -> Any:
-    if isinstance(key, tuple) and len(key) == 3 and key[0] == "array":
-        return np.asarray(key[1], key[2])
-    return key
 
 
 class _MultipliesByLossScale:
@@ -204,7 +172,7 @@ class _MultipliesByLossScale:
         return map_inexact(lambda x: x * inv, tree)
 
 
-@dataclasses.dataclass(frozen=True)
+@loss_scale_dataclass
 class NoOpLossScale:
     """A loss scale that does nothing: `scale` and `unscale` return their input."""
 
@@ -223,9 +191,12 @@ class NoOpLossScale:
         return self
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@loss_scale_dataclass
 class StaticLossScale(_MultipliesByLossScale):
     """Scales and unscales by a fixed constant.
+
+    No leaves (jmp's layout): the scale is a setting, so the object is static data and
+    compares equal to one of the same scale of the same type and dtype.
 
     Example:
       >>> import jax.numpy as jnp, jamp
@@ -234,7 +205,7 @@ class StaticLossScale(_MultipliesByLossScale):
       Array(3., dtype=float32)
     """
 
-    loss_scale: Any
+    loss_scale: Any = struct.field(pytree_node=False)
 
     def __post_init__(self):
         check_positive("loss_scale", self.loss_scale, allow_zero=True)
@@ -244,22 +215,8 @@ class StaticLossScale(_MultipliesByLossScale):
         del grads_finite
         return self
 
-    # The whole object is static pytree data (jmp's layout), so it must hash by value.
-    def __eq__(self, other):
-        if self is other:
-            return True
-        if type(other) is not type(self):
-            return False
-        mine, theirs = _static_key(self.loss_scale), _static_key(other.loss_scale)
-        return mine is not None and mine == theirs
 
-    def __hash__(self):
-        key = _static_key(self.loss_scale)
-        return id(self) if key is None else hash(key)
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True, eq=False)
+@loss_scale_dataclass(eq=False)
 class CountingStaticLossScale(StaticLossScale):
     """A `StaticLossScale` that counts the finite steps it saw: Apex's static loss scaler,
     whose count is the `unskipped` entry of `jamp.state_dict`.
@@ -279,17 +236,6 @@ class CountingStaticLossScale(StaticLossScale):
 
     counter: Any = dataclasses.field(default_factory=lambda: np.zeros([], np.int32))
 
-    def tree_flatten(self):
-        return (self.counter,), _value_key(self.loss_scale)
-
-    @classmethod
-    def tree_unflatten(cls, key, leaves) -> "CountingStaticLossScale":
-        # Built without __post_init__: JAX passes placeholder leaves here.
-        obj = object.__new__(cls)
-        object.__setattr__(obj, "loss_scale", _from_key(key))
-        object.__setattr__(obj, "counter", leaves[0])
-        return obj
-
     def adjust(self, grads_finite: jax.Array) -> "CountingStaticLossScale":
         """The same scale, with the step counted when `grads_finite`."""
         grads_finite = scalar_bool("grads_finite", grads_finite)
@@ -301,8 +247,7 @@ class CountingStaticLossScale(StaticLossScale):
     __hash__ = object.__hash__
 
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
+@loss_scale_dataclass
 class DynamicLossScale(_MultipliesByLossScale):
     """Dynamic loss scale (jmp's rule, with Apex's optional ceiling).
 
@@ -311,7 +256,7 @@ class DynamicLossScale(_MultipliesByLossScale):
     and resets the counter.
 
     Leaves are `(loss_scale, counter)`; `period`, `factor`, `min_loss_scale` and
-    `max_loss_scale` are static.
+    `max_loss_scale` are static settings, which come back from `jax.jit` as the objects given.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -328,13 +273,15 @@ class DynamicLossScale(_MultipliesByLossScale):
 
     loss_scale: Any
     counter: Any = dataclasses.field(default_factory=lambda: np.zeros([], np.int32))
-    period: int = 2000
-    factor: Any = 2
-    min_loss_scale: Any = dataclasses.field(default_factory=lambda: np.ones([], np.float32))
-    max_loss_scale: Any = None
+    period: int = struct.field(pytree_node=False, default=2000)
+    factor: Any = struct.field(pytree_node=False, default=2)
+    min_loss_scale: Any = struct.field(
+        pytree_node=False, default_factory=lambda: np.ones([], np.float32))
+    max_loss_scale: Any = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         check_positive("loss_scale", self.loss_scale, allow_zero=True)
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
         check_interval("period", self.period)
         check_growth_factor("factor", self.factor)
         check_positive("min_loss_scale", self.min_loss_scale, allow_zero=True)
@@ -345,25 +292,7 @@ class DynamicLossScale(_MultipliesByLossScale):
                 raise ValueError(
                     f"max_loss_scale must be >= min_loss_scale ({lo}), got "
                     f"max_loss_scale={self.max_loss_scale!r}.")
-        _warn_if_not_floating(self.loss_scale, "loss_scale")
         _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
-
-    def tree_flatten(self):
-        meta = (self.period, self.factor, _value_key(self.min_loss_scale),
-                _value_key(self.max_loss_scale))
-        return (self.loss_scale, self.counter), meta
-
-    @classmethod
-    def tree_unflatten(cls, meta, leaves) -> "DynamicLossScale":
-        # Built without __post_init__: JAX passes placeholder leaves here.
-        obj = object.__new__(cls)
-        period, factor, lo, hi = meta
-        for name, value in zip(
-                ("loss_scale", "counter", "period", "factor", "min_loss_scale",
-                 "max_loss_scale"),
-                (*leaves, period, factor, _from_key(lo), _from_key(hi))):
-            object.__setattr__(obj, name, value)
-        return obj
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """The next loss scale, given whether this step's grads were finite."""
@@ -380,18 +309,7 @@ class DynamicLossScale(_MultipliesByLossScale):
         return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
 
 
-def _register_static(cls):
-    # jmp's layout: no leaves, the object itself is the static part.
-    jax.tree_util.register_pytree_node(cls, lambda x: ((), x), lambda x, _: x)
-
-
-_register_static(NoOpLossScale)
-_register_static(StaticLossScale)
-
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
-
-
 __all__ = [
-    "agree_across", "all_finite", "CountingStaticLossScale", "DynamicLossScale", "is_inexact",
-    "LossScale", "map_inexact", "NoOpLossScale", "select_tree", "StaticLossScale"
+    "CountingStaticLossScale", "DynamicLossScale", "LossScale", "NoOpLossScale",
+    "StaticLossScale", "agree_across", "all_finite", "is_inexact", "map_inexact", "select_tree",
 ]

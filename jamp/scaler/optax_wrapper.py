@@ -1,7 +1,7 @@
 """`loss_scaled`: an optax wrapper that unscales, checks, skips bad steps and adjusts the scale.
 
-The wrapper's state holds the loss scale (any of jmp's, or a `GradScalerState`) beside the
-inner optimizer's state. One `update`:
+The wrapper's state holds the loss scale (any `LossScale`: jmp's, a `GradScalerState`, one of
+yours) beside the inner optimizer's state. One `update`:
 
 1. unscales the incoming grads (which the caller computed from `loss_scale.scale(loss)`),
 2. folds the finiteness of every floating leaf into one scalar bool,
@@ -27,17 +27,10 @@ import optax
 from jax import lax
 
 from jamp._checks import check_bool, check_count, parse_loss_scale
-from jamp.scaler.grad_scaler import GradScaler, GradScalerState
-from jamp.scaler.loss_scale import (
-    CountingStaticLossScale,
-    DynamicLossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    select_tree,
-)
+from jamp.scaler.grad_scaler import GradScaler
+from jamp.scaler.loss_scale import CountingStaticLossScale, all_finite, select_tree
+from jamp.scaler.protocol import LossScale
 
-_LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale, GradScalerState)
 _SKIP_MODES = ("select", "cond")
 
 
@@ -45,8 +38,8 @@ class LossScaledState(NamedTuple):
     """State of `loss_scaled`.
 
     Attributes:
-      loss_scale: the current loss scale (a `DynamicLossScale`, `StaticLossScale`,
-        `NoOpLossScale` or `GradScalerState`); with `num_losses=K > 1`, a tuple of K of them.
+      loss_scale: the current loss scale (a `LossScale`: `DynamicLossScale`,
+        `GradScalerState`, ...); with `num_losses=K > 1`, a tuple of K of them.
       inner_state: the wrapped transformation's state, untouched by skipped steps.
       total_steps: int32, every `update` call.
       skipped_steps: int32, the calls whose grads held inf or nan (no update applied).
@@ -84,19 +77,20 @@ def as_loss_scale(loss_scale: Any) -> Any:
 
     None or "dynamic" -> torch's defaults (`GradScaler().init()`); a `GradScaler` -> its
     `init()`; a number or numeric string -> a static scale that counts its finite steps
-    (`CountingStaticLossScale`: Apex's `loss_scale=128.0`); a loss scale object -> itself.
+    (`CountingStaticLossScale`: Apex's `loss_scale=128.0`); a `LossScale` -> itself.
     """
     if loss_scale is None or (isinstance(loss_scale, str) and loss_scale == "dynamic"):
         return GradScaler().init()
     if isinstance(loss_scale, GradScaler):
         return loss_scale.init()
-    if isinstance(loss_scale, _LOSS_SCALE_TYPES):
+    if isinstance(loss_scale, LossScale):
         return loss_scale
     if isinstance(loss_scale, (bool, np.bool_)) or not isinstance(
             loss_scale, (str, numbers.Real, np.ndarray, jax.Array)):
         raise TypeError(
-            f"loss_scale must be None, 'dynamic', a positive number, a GradScaler or one of "
-            f"{[t.__name__ for t in _LOSS_SCALE_TYPES]}, got loss_scale={loss_scale!r}.")
+            f"loss_scale must be None, 'dynamic', a positive number, a GradScaler or a "
+            f"jamp.scaler.LossScale (an object with loss_scale, scale, unscale and adjust), "
+            f"got loss_scale={loss_scale!r}.")
     value = parse_loss_scale(loss_scale)
     if value == "dynamic":
         return GradScaler().init()
@@ -122,9 +116,9 @@ def loss_scaled(
     Args:
       inner: the optimizer to protect.
       loss_scale: the starting loss scale: None or "dynamic" (torch's defaults), a
-        `GradScaler`, a `DynamicLossScale`/`StaticLossScale`/`NoOpLossScale`/`GradScalerState`,
-        or a number (a static scale). With `num_losses > 1`, one of these for all losses or a
-        sequence of `num_losses`.
+        `GradScaler`, a `jamp.scaler.LossScale` (`DynamicLossScale`, `GradScalerState`, ...,
+        or one of your own), or a number (a static scale). With `num_losses > 1`, one of
+        these for all losses or a sequence of `num_losses`.
       num_losses: Apex's `num_losses`: K independent scales. `update` then takes a sequence
         of K grad trees, the k-th from `get_loss_scale(opt_state, loss_id=k).scale(loss_k)`
         (None for a loss that reaches none of these params: its scale is left unchanged);
@@ -304,7 +298,8 @@ def get_loss_scale(opt_state: Any, loss_id: int = 0) -> Any:
     """The current loss scale inside `opt_state`, wherever `loss_scaled` sits in it.
 
     Works through `optax.chain`, `optax.MultiSteps`, `optax.inject_hyperparams` and any other
-    pytree of states. The result has `scale(tree)`, `unscale(tree)` and `loss_scale`.
+    pytree of states. The result is a `LossScale` (`scale(tree)`, `unscale(tree)`,
+    `loss_scale`, `adjust`).
 
     Args:
       opt_state: an optimizer state holding one `LossScaledState`.

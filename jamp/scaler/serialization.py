@@ -1,61 +1,39 @@
 """flax.serialization support for the loss scales, so checkpoints hold them without pickle.
 
-Only the changing numbers are stored; the static settings come from the target that
-`from_state_dict` / `from_bytes` restores into, as for any Flax state.
+Only the changing numbers, a loss scale's pytree leaves, are stored, by field name; the static
+settings come from the target that `from_state_dict` / `from_bytes` restores into, as for any
+Flax state. `loss_scale_dataclass` registers every class made with it here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 from flax import serialization
 
 from jamp._checks import StateDictKeyError
 
-from jamp.scaler.grad_scaler import GradScalerState
-from jamp.scaler.loss_scale import (
-    CountingStaticLossScale,
-    DynamicLossScale,
-    NoOpLossScale,
-    StaticLossScale,
-)
 
+def register(cls: type, leaves: Sequence[str]) -> None:
+    """Stores `cls`'s fields named `leaves` in its state dict, and restores them in the
+    dtypes the target's have."""
 
-def _leaves_to_state_dict(*names):
-    def to_state_dict(obj):
-        return {name: serialization.to_state_dict(getattr(obj, name)) for name in names}
+    def to_state_dict(obj: Any) -> dict[str, Any]:
+        return {name: serialization.to_state_dict(getattr(obj, name)) for name in leaves}
 
-    def from_state_dict(target, state):
-        missing = [name for name in names if name not in state]
+    def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+        missing = [name for name in leaves if name not in state]
         if missing:
             raise StateDictKeyError(f"Cannot restore {type(target).__name__}: the state dict "
                                     f"lacks {missing} (it has {sorted(state)}).")
         values = {name: jnp.asarray(state[name], jnp.asarray(getattr(target, name)).dtype)
-                  for name in names}
+                  for name in leaves}
         return dataclasses.replace(target, **values)
 
-    return to_state_dict, from_state_dict
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict,
+                                               override=True)
 
 
-def _static(obj):
-    return {}
-
-
-def _restore_static(target, state):
-    return target
-
-
-serialization.register_serialization_state(
-    DynamicLossScale, *_leaves_to_state_dict("loss_scale", "counter"), override=True)
-serialization.register_serialization_state(
-    GradScalerState, *_leaves_to_state_dict("loss_scale", "growth_tracker"), override=True)
-serialization.register_serialization_state(
-    CountingStaticLossScale, *_leaves_to_state_dict("counter"), override=True)
-serialization.register_serialization_state(
-    StaticLossScale, _static, _restore_static, override=True)
-serialization.register_serialization_state(
-    NoOpLossScale, _static, _restore_static, override=True)
-
-
-__all__ = []
+__all__ = ["register"]

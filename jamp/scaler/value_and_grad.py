@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 from jax import lax
 
-from jamp.scaler.loss_scale import all_finite, is_inexact
+from jamp.scaler.loss_scale import all_finite, map_inexact
 
 
 class ScaledValueAndGrad(NamedTuple):
@@ -76,8 +76,7 @@ def scaled_value_and_grad(
         (_, value), grads = grad_fn(*args, **kwargs)
         grads = loss_scale.unscale(grads)
         if axis_name is not None:
-            grads = jax.tree_util.tree_map(
-                lambda g: lax.pmean(g, axis_name) if is_inexact(g) else g, grads)
+            grads = map_inexact(lambda g: lax.pmean(g, axis_name), grads)
         finite = all_finite(grads, axis_name)
         return ScaledValueAndGrad(value, grads, finite, loss_scale.adjust(finite))
 

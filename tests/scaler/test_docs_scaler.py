@@ -40,7 +40,7 @@ def _jmp(ns):
 def _grad_scaler(ns):
     params, opt_state, state = ns["train_step"](ns["params"], ns["opt_state"],
                                                 ns["scaler_state"], ns["batch"])
-    assert int(state.growth_tracker) == 1
+    assert int(state.counter) == 1
     params2, _, state2 = ns["train_step"](params, opt_state, state, ns["batch"] * np.nan)
     assert np.array_equal(params2["w"], params["w"])
     assert ns["scaler"].get_scale(state2) == 32768.0
@@ -87,6 +87,17 @@ def _one_call(ns):
     assert bool(ns["finite"]) and int(ns["loss_scale"].counter) == 1
 
 
+def _own_loss_scale(ns):
+    tx, params = ns["own_tx"], ns["params"]
+    state = tx.init(params)
+    ls = jamp.get_loss_scale(state)
+    assert isinstance(ls, js.LossScale)
+    grads = jax.grad(lambda p: ls.scale(ns["loss_fn"](p, ns["batch"] * np.inf)))(params)
+    _, state = tx.update(grads, state, params)
+    assert float(jamp.get_loss_scale(state).loss_scale) == 2.0**9
+    assert int(state.skipped_steps) == 1
+
+
 def _checkpoint(ns):
     # The restored state is the saved one, loss scale included: it continues the trajectory.
     assert flax.serialization.to_bytes(ns["opt_state"]) == ns["blob"]
@@ -102,6 +113,7 @@ CHECKS = {
     "optax.MultiSteps": _steps_move_the_params(4, step="micro_step"),
     "dynamic_scale: jamp.DynamicScale": _flax_dynamic_scale,
     "jamp.scaled_value_and_grad": _one_call,
+    "class HalvingLossScale": _own_loss_scale,
     "flax.serialization.to_bytes": _checkpoint,
 }
 

@@ -59,7 +59,7 @@ def jamp_step(scaler, sgd):
         p = js.select_tree(found_inf, p, optax.apply_updates(p, updates))
         opt_state = js.select_tree(found_inf, opt_state, new_opt)
         state = scaler.update(state, found_inf)
-        return (state, p, opt_state), (state.loss_scale, state.growth_tracker, p)
+        return (state, p, opt_state), (state.loss_scale, state.counter, p)
 
     return step
 
@@ -109,7 +109,7 @@ def test_loss_scaled_with_grad_scaler_matches_torch(torch, settings):
         updates, opt_state = tx.update(grads, opt_state, p)
         p = optax.apply_updates(p, updates)
         ls = js.get_loss_scale(opt_state)
-        return (p, opt_state), (ls.loss_scale, ls.growth_tracker, p)
+        return (p, opt_state), (ls.loss_scale, ls.counter, p)
 
     p = jnp.ones(4)
     (_, opt_state), (scales, trackers, params) = jax.jit(
@@ -183,7 +183,7 @@ def test_update_with_new_scale_keeps_tracker():
     scaler = js.GradScaler(growth_interval=10)
     state = scaler.update(scaler.init(), jnp.array(False))
     state = scaler.update(state, new_scale=8.0)
-    assert scaler.get_scale(state) == 8.0 and int(state.growth_tracker) == 1
+    assert scaler.get_scale(state) == 8.0 and int(state.counter) == 1
     assert state.loss_scale.dtype == jnp.float32
     state = scaler.update(state, new_scale=jnp.array([4.0]))
     assert scaler.get_scale(state) == 4.0
@@ -198,7 +198,7 @@ def test_update_accepts_torch_style_float_found_inf():
     state = scaler.update(scaler.init(), jnp.float32(1.0))
     assert scaler.get_scale(state) == 32768.0
     state = scaler.update(state, jnp.float32(0.0))
-    assert int(state.growth_tracker) == 1
+    assert int(state.counter) == 1
 
 
 def test_state_dict_has_torchs_five_keys_and_types(torch):
@@ -445,4 +445,4 @@ def test_non_float32_factors_match_torch_with_x64(torch):
         for i, f in enumerate(faults):
             state = update(state, jnp.float32(f))
             assert ours.get_scale(state) == want_scale[i]
-            assert int(state.growth_tracker) == want_tracker[i]
+            assert int(state.counter) == want_tracker[i]

@@ -78,7 +78,7 @@ def test_clipping_and_logging_see_the_unscaled_grads():
     assert_trees(np.testing.assert_allclose, new_params,
                  jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, true_grads),
                  rtol=1e-5, atol=1e-7)
-    assert int(state.growth_tracker) == 1
+    assert int(state.counter) == 1
 
 
 def test_clipping_below_the_true_norm_clips_to_max_norm_in_float16():
@@ -91,7 +91,7 @@ def test_clipping_below_the_true_norm_clips_to_max_norm_in_float16():
     np.testing.assert_allclose(grad_norm, true_norm, rtol=1e-2)  # float16 grads, unscaled
     step = jax.tree_util.tree_map(jnp.subtract, new_params, params)
     np.testing.assert_allclose(optax.tree.norm(step), 0.1 * true_norm / 4, rtol=1e-3)
-    assert float(state.loss_scale) == 2.0**16 and int(state.growth_tracker) == 1
+    assert float(state.loss_scale) == 2.0**16 and int(state.counter) == 1
 
 
 def test_an_overflow_step_is_skipped_though_its_norm_is_not_finite():
@@ -102,7 +102,7 @@ def test_an_overflow_step_is_skipped_though_its_norm_is_not_finite():
         params, opt_state, ns["scaler"].init(), ns["x"].at[0, 0].set(jnp.inf), ns["y"])
     assert not np.isfinite(grad_norm)
     assert_trees(TREE_EQUAL, new_params, params)
-    assert float(state.loss_scale) == 2.0**15 and int(state.growth_tracker) == 0
+    assert float(state.loss_scale) == 2.0**15 and int(state.counter) == 0
 
 
 def test_loss_scaled_logs_the_unscaled_norm_and_clips_the_unscaled_grads():
@@ -184,7 +184,7 @@ def test_penalty_step_follows_the_penalized_loss(precision):
     # scaler would back off to a scale that fits within a few steps.
     new_params, _, state = ns["penalty_step"](params, tx.init(params), at_scale(ns, 2.0**12),
                                               ns["x"], ns["y"])
-    assert int(state.growth_tracker) == 1 and float(state.loss_scale) == 2.0**12
+    assert int(state.counter) == 1 and float(state.loss_scale) == 2.0**12
     step = jax.tree_util.tree_map(jnp.subtract, new_params, params)
     expected = jax.tree_util.tree_map(lambda g: -0.1 * g, _reference_penalized_grads(ns))
     error = optax.tree.norm(jax.tree_util.tree_map(jnp.subtract, step, expected))
@@ -229,7 +229,7 @@ def test_two_models_finite_step_updates_both(clean_two_model_step):
     (pa, pb, _, _, _), (new_a, new_b, opt_a, _, state) = clean_two_model_step
     assert not np.array_equal(new_a["w1"], pa["w1"]) and not np.array_equal(new_b["w1"], pb["w1"])
     assert int(opt_a[0].count) == 1
-    assert float(state.loss_scale) == 2.0**10 and int(state.growth_tracker) == 1
+    assert float(state.loss_scale) == 2.0**10 and int(state.counter) == 1
 
 
 @pytest.mark.parametrize("poisoned", ["a", "b"])
@@ -246,7 +246,7 @@ def test_an_inf_in_one_model_skips_only_its_optimizer(poisoned, clean_two_model_
         assert_trees(np.testing.assert_allclose, (new_a, new_opt_a), (clean_a, clean_opt_a),
                      rtol=1e-6)
     # One scale, backed off once, and the finite-step count reset.
-    assert float(state.loss_scale) == 2.0**9 and int(state.growth_tracker) == 0
+    assert float(state.loss_scale) == 2.0**9 and int(state.counter) == 0
 
 
 def test_loss_scaled_over_both_models_skips_both():
