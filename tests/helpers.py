@@ -70,6 +70,18 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-8):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+def compiles_during(fn) -> int:
+    """How many XLA compilations `fn()` triggers (jax.monitoring's public events)."""
+    events = []
+    listener = lambda name, *_, **__: events.append(name)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return sum("backend_compile" in name for name in events)
+
+
 # -- the dtypes a program computes in ---------------------------------------------------------
 
 def jaxpr_equations(jaxpr) -> Iterator:
