@@ -6,6 +6,7 @@ import re
 import warnings
 
 import flax.serialization
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,9 +221,8 @@ def test_a_skipped_step_leaves_params_masters_and_moments():
         optimizer.update(model, jax.tree.map(lambda g: g * jnp.inf, grads))
 
     overflowing_step(model, optimizer)
-    for a, b in zip(params + masters + adam_state, _pure(nnx.state(model, nnx.Param))
-                    + _pure(jamp.master_params(optimizer.opt_state)) + moments(), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(params + masters + adam_state, _pure(nnx.state(model, nnx.Param))
+                                + _pure(jamp.master_params(optimizer.opt_state)) + moments())
     assert jamp.state_dict(optimizer.opt_state)["loss_scaler0"] == {"loss_scale": 2.0**15,
                                                                     "unskipped": 0}
 
@@ -405,9 +405,7 @@ def test_bad_input_names_the_value_and_changes_nothing(args, kwargs, error, mess
         jamp.initialize(*args, verbosity=0, **kwargs)
     assert [type(m) for m in (M1, M2, M3, M3.bn)] == [MLP, MLP, CNN, nnx.BatchNorm]
     after = nnx.state((M1, M2, M3, O1, O2, O3))
-    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(after)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
-        assert a.dtype == b.dtype
+    chex.assert_trees_all_equal_dtypes(state, after)
 
 
 def test_a_model_or_optimizer_set_up_twice_is_refused():
