@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import jamp
-from helpers import F16, F32, OPT_LEVEL_DTYPES as EXPECTED, rel_err
+from helpers import F16, F32, OPT_LEVEL_DTYPES as EXPECTED, assert_trees_equal, rel_err
 
 
 class Block(nnx.Module):
@@ -127,8 +127,8 @@ def _assert_masters_cast(model, optimizer):
     params = _pure(nnx.state(model, nnx.Param))
     masters = _pure(jamp.master_params(optimizer.opt_state))
     assert any(p.dtype == F16 for p in params)
-    for p, m in zip(params, masters, strict=True):
-        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(p.dtype)))
+    chex.assert_trees_all_equal(
+        params, jax.tree.map(lambda p, m: m.astype(p.dtype), params, masters))
 
 
 @pytest.mark.parametrize("level", sorted(EXPECTED))
@@ -266,9 +266,7 @@ def test_state_dict_round_trips_with_apex_rules(tmp_path):
             target = checkpointer.restore(tmp_path / "state", target)
         nnx.update((other_model, other), target)
         assert jamp.state_dict(other.opt_state) == saved
-        for a, b in zip(_pure(state), _pure(nnx.state((other_model, other))), strict=True):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_trees_equal(_pure(state), _pure(nnx.state((other_model, other))))
         assert other_model.conv.kernel.dtype == F16
 
 
