@@ -108,7 +108,7 @@ class Reach:
                 self.key.append(("function", self._code_of(value)))
                 self.visit_function(name, value, depth + 1)
         else:
-            leaves, tree = jax.tree_util.tree_flatten(value, is_leaf=nnx_state.is_node)
+            leaves = jax.tree_util.tree_leaves(value, is_leaf=nnx_state.is_node)
             if len(leaves) == 1 and leaves[0] is value:
                 self.visit_object(name, value, depth, in_object)
             else:

@@ -340,8 +340,15 @@ class _Fingerprint:
         if isinstance(x, (jax.Array, np.ndarray)):
             if x.size > boundary.NUMPY_CONTENT_CHECK:
                 return _Identity(x)
+            try:
+                data = np.asarray(x).tobytes()
+            except (TypeError, ValueError):  # PRNG keys and other extended dtypes
+                return _Identity(x)
             return (type(x), x.dtype, x.shape, getattr(x, "weak_type", None),
-                    getattr(x, "sharding", None), np.asarray(x).tobytes())
+                    getattr(x, "sharding", None), data)
+        if isinstance(x, (float, complex, np.inexact)):
+            # By its bits: a NaN equals itself, and 0.0 is not -0.0.
+            return type(x), np.asarray(x).tobytes()
         try:
             hash(x)
         except TypeError:

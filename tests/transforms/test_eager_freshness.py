@@ -137,3 +137,16 @@ def test_under_grad_the_function_is_read_afresh():
     chex.assert_trees_all_close(jax.grad(loss)(X), np.full(X.shape, 2.0, np.float32))
     config.scale = 5.0
     chex.assert_trees_all_close(jax.grad(loss)(X), np.full(X.shape, 5.0, np.float32))
+
+
+def test_literals_are_keyed_by_their_bits():
+    fill = {"value": 0.0}
+    auto = jamp.autocast(lambda x: jnp.copysign(jnp.ones_like(x), fill["value"]),
+                         device_type="cpu")
+    chex.assert_trees_all_equal(auto(X), np.ones(X.shape, np.float32))
+    fill["value"] = -0.0  # equal to 0.0, but not the same program
+    chex.assert_trees_all_equal(auto(X), -np.ones(X.shape, np.float32))
+    fill["value"] = float("nan")
+    auto(X)
+    fill["value"] = float("nan")  # another NaN object (NaN != NaN): the same program
+    assert compiles_during(lambda: auto(X)) == 0
