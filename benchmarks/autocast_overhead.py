@@ -6,7 +6,9 @@ Prints four ratios, measured side by side in one process:
   * trace + compile time of a 12-block transformer under autocast over the hand-written one
     (target <= 1.3);
   * an eager call (no jax.jit) of the autocast loss over the same loss called eagerly without
-    autocast, on a small transformer (target <= 1.5); the eager grad is printed beside;
+    autocast, on a small transformer: eager autocast / plain eager (target <= 1.5; autocast runs
+    the loss's Python on every call, as an eager call does, and reuses its compiled program);
+    the eager grad is printed beside (`--eager-only` prints these alone);
   * the bytes of the activations saved for the backward pass (jax.vjp's residuals) under autocast
     over the hand-written bfloat16 model's (target <= 1.15), on both op tables. This one is a count
     of bytes, not a timing: it is the same on every run.
@@ -14,7 +16,7 @@ Where jaxamp or grampax are installed (`pip install '.[bench]'`), their figures 
 what they print themselves is dropped (grampax 0.1.0 prints an array for every operation it
 traces, some 13,000 lines a run).
 
-Run: python benchmarks/autocast_overhead.py [--quick]
+Run: python benchmarks/autocast_overhead.py [--quick] [--eager-only]
 """
 
 from __future__ import annotations
@@ -147,6 +149,17 @@ def eager_call_times(args):
     return time_side_by_side(candidates, rounds=args.rounds, steps=3)
 
 
+def print_eager(args):
+    eager = eager_call_times(args)
+    print_ratios(f"\neager calls, eager autocast / plain eager, 2 blocks of width "
+                 f"{args.eager_width} (median of {args.rounds} paired rounds):",
+                 {k: eager[k] for k in ("plain loss, eager", "jamp.autocast(loss), eager")},
+                 "plain loss, eager", targets={"jamp.autocast(loss), eager": 1.5})
+    print_ratios("", {k: eager[k] for k in ("jax.grad(loss), eager",
+                                             "jax.grad(jamp.autocast(loss)), eager")},
+                 "jax.grad(loss), eager")
+
+
 def residual_ratios(args):
     """Bytes of jax.vjp's residuals of the grad step: autocast and float32 over hand-written."""
     f32_model = TransformerStack(width=args.width, depth=args.depth, num_heads=4)
@@ -183,11 +196,15 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--eager-width", type=int, default=64)
+    parser.add_argument("--eager-only", action="store_true", help="only the eager calls")
     args = parser.parse_args()
     args.rounds, args.steps, args.compile_rounds = (3, 3, 1) if args.quick else (9, 10, 3)
 
     print(f"jax {jax.__version__} on {jax.default_backend()}; transformer width {args.width}, "
           f"batch {args.batch}x{args.seq}")
+    if args.eager_only:
+        print_eager(args)
+        return
     peers = peer_autocasts()
     base = "hand-written bfloat16 (flax dtype=)"
     mine = "jamp.autocast(f32 model, bfloat16)"
@@ -199,14 +216,7 @@ def main():
     print_ratios(f"\ntrace + compile of the grad, 12 blocks "
                  f"(median of {args.compile_rounds} paired rounds):",
                  compiles, base, targets={mine: 1.3})
-    eager = eager_call_times(args)
-    print_ratios(f"\neager calls, 2 blocks of width {args.eager_width} "
-                 f"(median of {args.rounds} paired rounds):",
-                 {k: eager[k] for k in ("plain loss, eager", "jamp.autocast(loss), eager")},
-                 "plain loss, eager", targets={"jamp.autocast(loss), eager": 1.5})
-    print_ratios("", {k: eager[k] for k in ("jax.grad(loss), eager",
-                                             "jax.grad(jamp.autocast(loss)), eager")},
-                 "jax.grad(loss), eager")
+    print_eager(args)
     rows = residual_ratios(args)
     print_residuals(f"\nactivations saved for the backward pass, {args.depth} blocks "
                     f"(jax.vjp's residuals):", rows, base,

@@ -8,6 +8,11 @@ and JAX rebuilds pytrees from placeholder leaves, so a traced or placeholder val
 through untouched.
 
 This module imports nothing of jamp, so that every layer (policy, scaler, transforms) can use it.
+
+The checks are written here rather than with chex's asserts: chex raises `AssertionError`
+with its own wording, where these are user errors that keep torch's and jmp's exception types
+and name the argument and the accepted values; jamp has no internal invariant that a chex
+assert would state better.
 """
 
 from __future__ import annotations

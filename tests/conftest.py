@@ -57,6 +57,10 @@ def variant(request):
 
     As with chex, a test that asks for the fixture and never calls it fails.
     """
+    # chex's own `chex.variants` does not fit here: it unrolls a test into one test per variant
+    # through absl's `parameterized.TestCase` generators, which pytest functions (and their
+    # fixtures and parametrize marks) are not; its variant functions are not public apart
+    # from it. This fixture is its pytest form, with the same two variants and the same check.
     calls = []
 
     def wrap(f):

@@ -10,6 +10,7 @@ import importlib.util
 import re
 from collections.abc import Iterator
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,18 +57,27 @@ def rel_err(got, want) -> float:
 
 def assert_trees_equal(a, b):
     """Same structure, same dtypes, same values bit for bit."""
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        assert np.asarray(x).dtype == np.asarray(y).dtype
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Two chex checks: its value checks compare bfloat16 leaves as float32, not their dtypes.
+    chex.assert_trees_all_equal_dtypes(a, b)
+    chex.assert_trees_all_equal(a, b)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-8):
     """Same structure and dtypes, values equal up to float32 rounding."""
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        assert np.asarray(x).dtype == np.asarray(y).dtype
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+    chex.assert_trees_all_equal_dtypes(a, b)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
+
+
+def compiles_during(fn) -> int:
+    """How many XLA compilations `fn()` triggers (jax.monitoring's public events)."""
+    events = []
+    listener = lambda name, *_, **__: events.append(name)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return sum("backend_compile" in name for name in events)
 
 
 # -- the dtypes a program computes in ---------------------------------------------------------

@@ -12,6 +12,7 @@ all-gathers, so an FSDP step at O1 or O2 gathers half the bytes of a float32 one
 import re
 
 import flax.linen as nn
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -325,12 +326,10 @@ def test_shard_map_fsdp_gathers_the_half_shards_and_decides_once(fsdp):
     assert_sharded_like(new_params, params)
     assert_sharded_like(new_state, params)
     # The same step as the jit-placed one, up to the order of float16 sums.
-    for a, b in zip(jax.tree_util.tree_leaves(jamp.master_params(new_state)),
-                    jax.tree_util.tree_leaves(jamp.master_params(run["out"][1]))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-3)
+    chex.assert_trees_all_close(jamp.master_params(new_state),
+                                jamp.master_params(run["out"][1]), rtol=1e-7, atol=2e-3)
     bad = np.asarray(x).copy()
     bad[2, 0] = np.nan
     skipped_params, skipped = step(params, opt_state, jax.device_put(bad, x.sharding))
     assert int(skipped.skipped_steps) == 1
-    for a, b in zip(jax.tree_util.tree_leaves(skipped_params), jax.tree_util.tree_leaves(params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(skipped_params, params)

@@ -35,9 +35,11 @@ def autocast(
     dtypes), `jax.vmap` and sharding. Array arguments (any pytree) are traced; other leaves
     (Python scalars, strings, flags) are passed through as static values. NNX modules, as
     arguments or closed over, are updated as the call without autocast would update them.
-    The transformed program is cached per input types and static values, as `jax.jit` caches:
-    a repeated call does not trace `fn` again (arguments, NNX state and closed-over arrays are
-    still read afresh on every call).
+    A call is an eager call: `fn` runs on every call (traced, so that whatever Python state it
+    reads, an object's field or a global, is read afresh, and arguments, NNX state and
+    closed-over arrays too), and its autocast program is transformed and compiled once per
+    distinct traced program and reused while the trace stays the same. Under `jax.jit` it runs
+    when jit traces, as `fn` alone would.
 
     Without `fn`, returns an `AutocastRegion`: used as a decorator it transforms the function;
     used as `with jamp.autocast(enabled=False):` (or `dtype=...`) inside a function being
@@ -221,13 +223,17 @@ class AutocastRegion:
         @functools.wraps(fn)
         def transformed(*args, **kwargs):
             call = boundary.Call.of(fn, args, kwargs)
+            # `fn` runs on every call, as it does without autocast (under jax.jit, when jit
+            # traces): what it reads is read now. The cache saves the transform and the compile.
+            traced = programs.Trace(fn, call)
             cache = programs.cache_for(fn)
-            key = None if call.key is None else (settings, call.key)
+            key = traced.key(call, region)
+            key = None if key is None else (settings, key)
             program = cache.get(key) if key is not None else None
             if program is None or not program.valid_for(call):
-                program = programs.Program.build(fn, call, region, self.cache_enabled,
+                program = programs.Program.build(fn, traced, call, region, self.cache_enabled,
                                                  self.cast_outputs)
-                if program.cacheable:
+                if program.cacheable and key is not None:
                     cache.put(key, program)
             with jax.named_scope(self.scope_name):
                 return program.run(call)

@@ -10,12 +10,12 @@ A call is taken apart into
   - NNX modules and Variables: their state (`_nnx_internals.State`) is traced too, borrowed
     while the function runs, and the values it leaves are written back;
   - jax arrays: those the traced program uses become its inputs, read afresh on every call;
-  - Python scalars and strings, keyed by value, numpy arrays and other objects, by identity,
-    as `jax.jit` keys static arguments.
+  - numpy arrays and other objects, keyed by identity.
 
-`Call.key` says everything a traced program depends on, so that `autocast` can serve a repeated
-call from its cache without tracing the function again. What the key cannot say (which arrays the
-program read as Python values, the contents of numpy arrays) the program checks with `guards`.
+The function is traced on every call (`programs.Trace`), which reads its Python values (scalars,
+strings, an object's fields) afresh. `Call.key` says what the traced program alone does not: the
+types of the inputs, where the call found its arrays and NNX state, the objects it found.
+What the key cannot say (the contents of numpy arrays) the program checks with `guards`.
 """
 
 from __future__ import annotations
@@ -62,17 +62,15 @@ class Reach:
 
     Attributes:
       arrays: jax arrays (or tracers of an enclosing transform) found, each once.
-      scalars: closed-over concrete scalar arrays, keyed by value (baked into the program).
       numpy: numpy arrays found, each once.
       roots: NNX modules and Variables found, each once, with the name they were found under.
-      key: how the rest was found: scalars by value, objects by identity, and where each
-        array and root sits (so that two names bound to one array are told from two arrays).
+      key: how the rest was found: objects by identity, and where each array and root sits
+        (so that two names bound to one array are told from two arrays).
       identified: the objects keyed by identity (their id), in order: a program checks they
         are the same objects, since a dead object's id can be reused.
     """
 
     arrays: list = dataclasses.field(default_factory=list)
-    scalars: list = dataclasses.field(default_factory=list)
     numpy: list = dataclasses.field(default_factory=list)
     roots: list = dataclasses.field(default_factory=list)
     key: list = dataclasses.field(default_factory=list)
@@ -83,10 +81,11 @@ class Reach:
     def visit(self, name: str, value: Any, depth: int = 0, in_object: bool = False) -> None:
         """Records `value` (found under `name`) and what it leads to.
 
-        Inside an object's attributes (`in_object`) only arrays and NNX objects are recorded:
-        an object's Python values are read when the function is traced, as `jax.jit` reads a
-        static argument's, so that a counter kept on an object does not trace the function
-        again at every step.
+        Python values (scalars, strings, the structure of a list) are not recorded: the trace
+        of every call reads them, and the traced program says whether they changed it, so that
+        a counter the function does not compute with does not transform it again at every
+        step. Inside an object's attributes (`in_object`) only arrays and NNX objects are
+        recorded.
         """
         if isinstance(value, (types.ModuleType, type)):
             if not in_object:
@@ -95,27 +94,24 @@ class Reach:
             self.key.append(("nnx", self._add(self.roots, value, (name, value))))
         elif _is_scalar_array(value) and not in_object:
             # A closed-over scalar array is a constant of the program, like a Python scalar:
-            # by value (read with float() or `if`, or as a mask's fill, it must stay known);
-            # by its bytes, so that a NaN equals itself.
-            self.key.append(("scalar", value.dtype, np.asarray(value).tobytes()))
-            self.scalars.append(value)
+            # baked in (read with float() or `if`, or as a mask's fill, it must stay known),
+            # so keyed by value with the traced program (`programs.Trace.key`).
+            return
         elif isinstance(value, jax.Array):
             self.key.append(("array", self._add(self.arrays, value)))
         elif isinstance(value, np.ndarray):
             self.key.append(("numpy", self._add(self.numpy, value)))
         elif is_immutable(value):
-            if not in_object:
-                self.key.append(_static_key(value))
+            return
         elif _is_function_like(value):
             if not in_object:
                 self.key.append(("function", self._code_of(value)))
                 self.visit_function(name, value, depth + 1)
         else:
-            leaves, tree = jax.tree_util.tree_flatten(value, is_leaf=nnx_state.is_node)
+            leaves = jax.tree_util.tree_leaves(value, is_leaf=nnx_state.is_node)
             if len(leaves) == 1 and leaves[0] is value:
                 self.visit_object(name, value, depth, in_object)
             else:
-                self.key.append(("tree", tree))
                 for i, leaf in enumerate(leaves):
                     self.visit(f"{name}[{i}]", leaf, depth, in_object)
 

@@ -1,12 +1,16 @@
-"""The programs an autocast function runs: traced once per call signature, transformed by the
-interpreter, cached, and checked before reuse.
+"""The programs an autocast function runs: the user's function traced on every call, its
+autocast transformation built once per distinct trace, cached, and checked before reuse.
 
-`Program.build` traces the user's function on a call's traced arrays and NNX state
-(`boundary.Call`), with the NNX state borrowed (`_nnx_internals`); records what came out (array
-outputs, values and objects handed back as they are, the state the function left); turns the
-closed-over arrays the program uses into inputs; and traces the autocast interpretation of it all
-into one jaxpr. `Program.run` runs that jaxpr for a call, compiled when the call is eager, and
-writes the NNX state back. `cache_for(fn)` holds the programs of one user function.
+`Trace` traces the user's function on a call's traced arrays and NNX state (`boundary.Call`),
+with the NNX state borrowed (`_nnx_internals`), and records what came out (array outputs, values
+and objects handed back as they are, the state the function left). It runs on every call, as an
+eager call runs the function: whatever Python state the function reads (an object's field, a
+global, a list) is read afresh, and no key has to foresee it. `Trace.key` says when two traces
+make the same program: the same equations, literals, closed-over constants and records.
+`Program.build` turns the closed-over arrays the program uses into inputs and traces the
+autocast interpretation of it all into one jaxpr, what the cache saves (with its compile).
+`Program.run` runs that jaxpr for a call, compiled when the call is eager, and writes the NNX
+state back. `cache_for(fn)` holds the programs of one user function.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ class Program:
       writes: for each NNX slot the function changed, (slot index, value structure, a
         `Source` per leaf).
       cacheable: False when a later call could not be served right: the program holds
-        tracers of an enclosing transform or arrays the closure walk cannot supply afresh,
-        hands back a mutable object, or changed the structure of an NNX module (its new
-        objects are this call's). Such a program runs once.
+        tracers of an enclosing transform, hands back a mutable object, or changed the
+        structure of an NNX module (its new objects are this call's). Such a program runs
+        once.
       state: the NNX state the writes and objects refer to when the program is not cacheable
         (a cacheable one uses each call's own, which has the same structure).
       adopted: objects the function created and attached to a module, made the caller's.
@@ -69,11 +73,10 @@ class Program:
     compiled: Callable
 
     @classmethod
-    def build(cls, fn, call: boundary.Call, region, cache_enabled: bool,
+    def build(cls, fn, traced: "Trace", call: boundary.Call, region, cache_enabled: bool,
               cast_outputs: bool) -> "Program":
-        traced = _Trace(fn, call)
         user = traced.jaxpr
-        lifted, slots, cacheable = _lift_closure_arrays(user, call, traced.live)
+        lifted, slots, cacheable = _lift_closure_arrays(user, call)
         num_in, num_results = len(user.in_avals), traced.num_results
         contexts = []
 
@@ -140,7 +143,7 @@ class Program:
         return jax.tree_util.tree_unflatten(tree, map(produce, sources))
 
 
-class _Trace:
+class Trace:
     """Traces the user's function on a call's inputs, its NNX state borrowed, and records
     where each output and each changed piece of state comes from."""
 
@@ -165,9 +168,24 @@ class _Trace:
             return self._record(call, flat, leaves, tree, objects, after, after_values)
 
         jx.with_debug_info(flat_fn, fn, call.names)
-        live = jax.live_arrays()  # held while tracing, so that their ids stay theirs
         self.jaxpr = jx.trace_closed(flat_fn, [jax.typeof(x) for x in call.inputs])
-        self.live = {id(a) for a in live}
+
+    def key(self, call: boundary.Call, region) -> Any:
+        """What the program built from this trace depends on, hashable; None when it cannot
+        be told (the program is then built for this call alone)."""
+        if call.key is None or not self.cacheable:
+            return None
+        arrays = {id(a): k for k, a in enumerate(call.reach.arrays)}
+        traced = _Fingerprint(arrays, with_code=region.scope is not None).closed(self.jaxpr)
+        tree, sources = self.result
+        writes = tuple((index, value_tree, tuple(sources))
+                       for index, value_tree, sources in self.writes)
+        key = (call.key, traced, tree, tuple(sources), writes)
+        try:
+            hash(key)
+        except TypeError:  # a Python value handed back or left in the state that cannot be hashed
+            return None
+        return key
 
     def _record(self, call, flat, leaves, tree, objects, after, after_values) -> list:
         outputs: list = []
@@ -215,18 +233,17 @@ def _structure(state: nnx_state.State) -> list:
     return [(id(s.owner), s.attribute) for s in state.slots] + [id(n) for n in state.nodes]
 
 
-def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, tuple, bool]:
+def _lift_closure_arrays(user, call: boundary.Call) -> tuple[tuple, tuple, bool]:
     """Which consts of the traced program are closed-over arrays the call can pass afresh.
 
     Returns (indices into the call's reached arrays, the const slots they fill, cacheable). With
     `jax_use_simplified_jaxpr_constants` a closed-over array is an array literal of the program
     instead of a const (its slot is then None): the interpreter substitutes it where it is read.
-    A const or literal that existed before the trace but was not reached by the walk (an array
-    behind a library object), or that is a tracer, cannot be passed afresh: the program is not
-    cached.
+    Any other const or literal (an array behind a library object, one made while tracing) is
+    baked into the program, which `Trace.key` then keys by its value or identity; a tracer
+    cannot be baked: the program is not cached.
     """
     found = {id(a): k for k, a in enumerate(call.reach.arrays)}
-    by_value = {id(a) for a in call.reach.scalars}  # in the key: fine to bake in
     lifted, slots, cacheable = [], [], True
     literals = {id(v): v for v in jx.array_literals(equations(user))}
     for slot, value in [*enumerate(user.consts), *((None, v) for v in literals.values())]:
@@ -234,9 +251,110 @@ def _lift_closure_arrays(user, call: boundary.Call, live: set) -> tuple[tuple, t
         if k is not None:
             lifted.append(k)
             slots.append(slot)
-        elif jx.is_tracer(value) or (id(value) in live and id(value) not in by_value):
+        elif jx.is_tracer(value):
             cacheable = False
     return tuple(lifted), tuple(slots), cacheable
+
+
+class _Identity:
+    """A key for an object by identity, holding it (so that its id stays its own)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
+class _Fingerprint:
+    """A traced jaxpr as a hashable value, equal for two traces that autocast would transform
+    into the same program: the equations (primitive, operands, parameters, result types), the
+    scopes and contexts they were traced in (regions and module rules read them), and for
+    function rules their Python stack; literals and baked constants by value (large ones by
+    identity); the closed-over arrays the program takes as inputs by where the call found them.
+
+    Args:
+      arrays: the id of each array the call reached -> its index among them.
+      with_code: whether the code objects of each equation's stack are part of it.
+    """
+
+    def __init__(self, arrays: dict[int, int], with_code: bool):
+        self.arrays = arrays
+        self.with_code = with_code
+        self.memo: dict[int, tuple] = {}  # a sub-jaxpr used twice is keyed once
+
+    def closed(self, closed) -> tuple:
+        return self.jaxpr(closed.jaxpr), tuple(map(self.value, closed.consts))
+
+    def jaxpr(self, jaxpr) -> tuple:
+        key = self.memo.get(id(jaxpr))
+        if key is None:
+            key = self.memo[id(jaxpr)] = self._jaxpr(jaxpr)
+        return key
+
+    def _jaxpr(self, jaxpr) -> tuple:
+        names: dict = {}
+
+        def read(v):
+            if isinstance(v, jex_core.Literal):
+                return ("literal", self.value(v.val))
+            return names[v]
+
+        def define(variables) -> tuple:
+            for v in variables:
+                names[v] = len(names)
+            return tuple(v.aval for v in variables)
+
+        head = (define(jaxpr.constvars), define(jaxpr.invars))
+        equations = tuple(
+            (eqn.primitive, tuple(map(read, eqn.invars)),
+             tuple((name, self.param(p)) for name, p in eqn.params.items()),
+             define(eqn.outvars), jx.name_stack(eqn), getattr(eqn, "ctx", None),
+             frozenset(eqn.effects), jx.traceback_code(eqn) if self.with_code else ())
+            for eqn in jaxpr.eqns)
+        return head, equations, tuple(map(read, jaxpr.outvars)), frozenset(jaxpr.effects)
+
+    def param(self, p) -> Any:
+        if isinstance(p, jex_core.ClosedJaxpr):
+            return self.closed(p)
+        if isinstance(p, jex_core.Jaxpr):
+            return self.jaxpr(p)
+        if type(p) in (tuple, list):
+            return tuple(map(self.param, p))
+        try:
+            hash(p)
+        except TypeError:
+            return _Identity(p)
+        return p  # functions (a custom_jvp's rule) by their own equality, as jax.jit keys them
+
+    def value(self, x) -> Any:
+        k = self.arrays.get(id(x))
+        if k is not None:
+            return ("input", k)
+        if jx.is_tracer(x):
+            return _Identity(x)
+        if isinstance(x, (jax.Array, np.ndarray)):
+            if x.size > boundary.NUMPY_CONTENT_CHECK:
+                return _Identity(x)
+            try:
+                data = np.asarray(x).tobytes()
+            except (TypeError, ValueError):  # PRNG keys and other extended dtypes
+                return _Identity(x)
+            return (type(x), x.dtype, x.shape, getattr(x, "weak_type", None),
+                    getattr(x, "sharding", None), data)
+        if isinstance(x, (float, complex, np.inexact)):
+            # By its bits: a NaN equals itself, and 0.0 is not -0.0.
+            return type(x), np.asarray(x).tobytes()
+        try:
+            hash(x)
+        except TypeError:
+            return _Identity(x)
+        return type(x), x  # 1 == 1.0 == True must not share a program
 
 
 def _guards(call: boundary.Call) -> list[Callable[[boundary.Call], bool]]:

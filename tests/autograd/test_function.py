@@ -4,6 +4,7 @@ Each feature runs eagerly and under jit (`variant`), under grad, vmap and grad o
 values held against torch.autograd.Function running the same math in float64.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -317,7 +318,8 @@ def test_non_differentiable_outputs_get_zero_gradients(variant):
     loss = lambda x: (SortWithIndices.apply(x)[0] * weights).sum()
     np.testing.assert_allclose(variant(jax.grad(loss))(A), jnp.array([2.0, 1.0, 3.0]))
     g_order, = SortWithIndices.received
-    assert g_order.shape == (3,) and g_order.dtype == jnp.int32  # torch: zeros like the output
+    chex.assert_shape(g_order, (3,))  # torch: zeros like the output
+    chex.assert_type(g_order, jnp.int32)
 
 
 def test_marked_float_output_passes_no_gradient(variant):

@@ -2,6 +2,7 @@
 the same values in float64, the same structures (single and tuple inputs and outputs), the same
 errors for `v`, `strict` and option combinations; eagerly and under jit."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +78,7 @@ def assert_same(got, want):
         return
     assert isinstance(got, jax.Array), type(got)
     assert got.dtype == jnp.float64
-    assert got.shape == tuple(want.shape)
+    chex.assert_shape(got, tuple(want.shape))
     np.testing.assert_allclose(np.asarray(got), want.detach().numpy(), rtol=1e-12, atol=1e-12)
 
 

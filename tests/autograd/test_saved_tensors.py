@@ -5,6 +5,7 @@ eagerly and under jit (the `variant` fixture) and compare gradients with plain `
 """
 
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +77,7 @@ def test_identity_hooks_leave_gradients_unchanged(variant):
     hooked = saved_tensors_hooks(lambda t: t, lambda t: t)(mlp)
     got = variant(jax.grad(hooked, argnums=(0, 1)))(params, x)
     want = variant(jax.grad(mlp, argnums=(0, 1)))(params, x)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+    chex.assert_trees_all_equal(got, want)
 
 
 def test_hooked_function_without_differentiation_runs_as_is(variant):
@@ -100,7 +101,7 @@ def test_decorator_form_and_pytree_of_packed_values():
     x, y = jnp.arange(3.0), jnp.ones(3)
     got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, y)
     want = jax.grad(lambda x, y: jnp.sum(jnp.sin(x) * y), argnums=(0, 1))(x, y)
-    jax.tree_util.tree_map(np.testing.assert_allclose, got, want)
+    chex.assert_trees_all_close(got, want, rtol=1e-7)
 
 
 def test_static_arguments_keywords_and_integer_inputs(variant):
@@ -259,7 +260,7 @@ def test_autocast_inside_the_hooked_function(variant):
     log = []
     got = variant(jax.grad(counting(log)(auto)))(params, x)
     want = variant(jax.grad(auto))(params, x)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+    chex.assert_trees_all_equal(got, want)
     # the matmuls ran in bfloat16, so some of the residuals they saved are bfloat16
     assert jnp.dtype(jnp.bfloat16) in {dtype for event, _, dtype in log if event == "pack"}
     lossy = variant(jax.grad(save_as(jnp.bfloat16)(auto)))(params, x)
@@ -290,7 +291,7 @@ def test_save_on_cpu_grads_are_exact(variant, pin_memory):
     params, x = make_params()
     got = variant(jax.grad(save_on_cpu(pin_memory)(mlp), argnums=(0, 1)))(params, x)
     want = variant(jax.grad(mlp, argnums=(0, 1)))(params, x)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+    chex.assert_trees_all_equal(got, want)
 
 
 def test_save_on_cpu_stores_residuals_in_pinned_host_memory():
@@ -322,7 +323,7 @@ def test_save_on_cpu_keeps_the_sharding_of_sharded_residuals():
                for a in batch)
     got = jax.jit(jax.grad(hooked))(params, x)
     want = jax.jit(jax.grad(mlp))(params, x)
-    jax.tree_util.tree_map(np.testing.assert_allclose, got, want)
+    chex.assert_trees_all_close(got, want, rtol=1e-7)
 
 
 def test_save_on_cpu_checks_pin_memory():

@@ -1,4 +1,4 @@
-"""The benchmarks' statistics say what they claim, and scaler_overhead runs end to end."""
+"""The benchmarks' statistics say what they claim, and the overhead benchmarks run end to end."""
 
 import pathlib
 import re
@@ -45,10 +45,11 @@ def test_paired_ratios_divide_round_by_round():
     assert ratios == {"base": [1.0, 1.0], "other": [1.5, 1.0]}
 
 
-def quick_ratios(script: str) -> tuple[dict[str, str], str]:
+def quick_ratios(script: str, *options: str) -> tuple[dict[str, str], str]:
     """Runs a train-step benchmark small; its (candidate: ratio) rows and its output."""
     result = subprocess.run(
-        [sys.executable, script, "--quick", "--width", "32", "--depth", "1", "--seq", "16"],
+        [sys.executable, script, "--quick", "--width", "32", "--depth", "1", "--seq", "16",
+         *options],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     return dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M)), \
@@ -71,3 +72,12 @@ def test_anomaly_overhead_prints_every_ratio():
                           "anomaly_checked loss in detect_anomaly()"]
     assert float(rows["plain step"]) == 1.0
     assert all(float(r) > 0 for r in rows.values())
+
+
+def test_autocast_overhead_prints_the_eager_ratio():
+    rows, out = quick_ratios("autocast_overhead.py", "--eager-only", "--eager-width", "32")
+    assert list(rows) == ["plain loss, eager", "jamp.autocast(loss), eager",
+                          "jax.grad(loss), eager", "jax.grad(jamp.autocast(loss)), eager"]
+    assert float(rows["plain loss, eager"]) == 1.0
+    assert all(float(r) > 0 for r in rows.values())
+    assert "eager autocast / plain eager" in out and "(target <= 1.50: " in out

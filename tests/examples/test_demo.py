@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import chex
 import numpy as np
 
 from helpers import needs_examples_extra
@@ -21,7 +22,8 @@ def test_corpus_is_real_text_and_batches_are_windows():
     assert b"statement" in corpus.tobytes()
     train, valid = split(corpus)
     window = next(batches(train, 4, 16, seed=0))
-    assert window.shape == (4, 17) and window.dtype == np.int32
+    chex.assert_shape(window, (4, 17))
+    chex.assert_type(window, np.int32)
     assert len(valid) == len(corpus) - len(train)
 
 

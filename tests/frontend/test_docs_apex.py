@@ -2,6 +2,7 @@
 
 import pathlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +24,8 @@ def _step(ns):
     stats = jax.tree_util.tree_leaves(ns["batch_stats"])
     assert {s.dtype for s in stats} == {np.dtype(np.float32)}
     masters = ns["jamp"].master_params(ns["opt_state"])
-    jax.tree_util.tree_map(lambda p, m: np.testing.assert_array_equal(p, m.astype(p.dtype)),
-                           ns["params"], masters)
+    chex.assert_trees_all_equal(
+        ns["params"], jax.tree_util.tree_map(lambda p, m: m.astype(p.dtype), ns["params"], masters))
 
 
 def _clipping(ns):

@@ -4,6 +4,7 @@ import re
 
 import flax.linen as nn
 import flax.serialization
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -303,9 +304,8 @@ def test_optimizer_state_keeps_its_types_so_steps_scan(level):
         return (optax.apply_updates(params, updates), opt_state), None
 
     (new_params, new_state), _ = jax.lax.scan(step, (params, opt_state), length=3)
-    same = lambda a, b: jax.tree_util.tree_map(lambda x, y: x.dtype == y.dtype, a, b)
-    assert all(jax.tree_util.tree_leaves(same(new_state, opt_state)))
-    assert all(jax.tree_util.tree_leaves(same(new_params, params)))
+    chex.assert_trees_all_equal_dtypes(new_state, opt_state)
+    chex.assert_trees_all_equal_dtypes(new_params, params)
 
 
 def test_o2_state_reads_its_counters_like_the_other_levels():
@@ -414,7 +414,7 @@ def test_returned_half_variables_are_refused_and_float32_ones_are_harmless():
                                        variables["params"])
         updates, _ = tx.update(grads, opt_state, variables["params"])
         runs.append((variables, updates))
-    jax.tree_util.tree_map(np.testing.assert_array_equal, runs[0], runs[1])
+    chex.assert_trees_all_equal(runs[0], runs[1])
     np.testing.assert_allclose(runs[1][1]["bias"], [-0.05, -0.05])  # one unscaled SGD step
 
 

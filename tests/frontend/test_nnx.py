@@ -6,6 +6,7 @@ import re
 import warnings
 
 import flax.serialization
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 
 import jamp
-from helpers import F16, F32, OPT_LEVEL_DTYPES as EXPECTED, rel_err
+from helpers import F16, F32, OPT_LEVEL_DTYPES as EXPECTED, assert_trees_equal, rel_err
 
 
 class Block(nnx.Module):
@@ -126,8 +127,8 @@ def _assert_masters_cast(model, optimizer):
     params = _pure(nnx.state(model, nnx.Param))
     masters = _pure(jamp.master_params(optimizer.opt_state))
     assert any(p.dtype == F16 for p in params)
-    for p, m in zip(params, masters, strict=True):
-        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(p.dtype)))
+    chex.assert_trees_all_equal(
+        params, jax.tree.map(lambda p, m: m.astype(p.dtype), params, masters))
 
 
 @pytest.mark.parametrize("level", sorted(EXPECTED))
@@ -220,9 +221,8 @@ def test_a_skipped_step_leaves_params_masters_and_moments():
         optimizer.update(model, jax.tree.map(lambda g: g * jnp.inf, grads))
 
     overflowing_step(model, optimizer)
-    for a, b in zip(params + masters + adam_state, _pure(nnx.state(model, nnx.Param))
-                    + _pure(jamp.master_params(optimizer.opt_state)) + moments(), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(params + masters + adam_state, _pure(nnx.state(model, nnx.Param))
+                                + _pure(jamp.master_params(optimizer.opt_state)) + moments())
     assert jamp.state_dict(optimizer.opt_state)["loss_scaler0"] == {"loss_scale": 2.0**15,
                                                                     "unskipped": 0}
 
@@ -266,9 +266,7 @@ def test_state_dict_round_trips_with_apex_rules(tmp_path):
             target = checkpointer.restore(tmp_path / "state", target)
         nnx.update((other_model, other), target)
         assert jamp.state_dict(other.opt_state) == saved
-        for a, b in zip(_pure(state), _pure(nnx.state((other_model, other))), strict=True):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_trees_equal(_pure(state), _pure(nnx.state((other_model, other))))
         assert other_model.conv.kernel.dtype == F16
 
 
@@ -405,9 +403,7 @@ def test_bad_input_names_the_value_and_changes_nothing(args, kwargs, error, mess
         jamp.initialize(*args, verbosity=0, **kwargs)
     assert [type(m) for m in (M1, M2, M3, M3.bn)] == [MLP, MLP, CNN, nnx.BatchNorm]
     after = nnx.state((M1, M2, M3, O1, O2, O3))
-    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(after)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
-        assert a.dtype == b.dtype
+    chex.assert_trees_all_equal_dtypes(state, after)
 
 
 def test_a_model_or_optimizer_set_up_twice_is_refused():

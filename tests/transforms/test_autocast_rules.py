@@ -2,6 +2,7 @@
 under jit: lower ops, float32 ops, promotion, never-cast dtypes, scalars, explicit casts,
 the weight cache, output dtypes and bad input."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,8 +63,7 @@ def test_fp32_ops_run_in_float32_on_cuda_table(variant):
     assert hlo_op_types(text, "exponential") == [("float32",) * 1]
     assert hlo_op_types(text, "log") == [("float32",)]
     assert [t for t in hlo_op_types(text, "reduce")] == [("float32", "float32", "float32")]
-    for got, want in zip(outs, f(X, W)):
-        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    chex.assert_trees_all_close(outs, f(X, W), rtol=2e-2, atol=2e-2)
 
 
 def test_cpu_table_follows_torchs_cpu_list():

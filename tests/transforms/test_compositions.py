@@ -2,6 +2,7 @@
 cond/switch, checkpoint, custom_jvp, custom_vjp, shard_map, vmap and differentiation."""
 
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,7 +262,8 @@ def test_vmap_outside(variant):
     f = lambda x, w: jnp.tanh(x @ w)
     g = jax.vmap(cpu(f, cast_outputs=False), in_axes=(0, None))
     out = variant(g)(xs, W)
-    assert out.dtype == BF16 and out.shape == (2, 3, 4)
+    chex.assert_type(out, BF16)
+    chex.assert_shape(out, (2, 3, 4))
     assert rel_err(out, jax.vmap(f, in_axes=(0, None))(xs, W)) < 3e-2
     assert set(dot_types(g, xs, W)) == {("bfloat16",) * 3}
 

@@ -1,5 +1,6 @@
 """jamp.custom_fwd / jamp.custom_bwd on the fwd and bwd of a jax.custom_vjp (torch semantics)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,9 +78,9 @@ def test_noops_outside_autocast(variant):
     decorated = make_matmul(jamp.custom_fwd(cast_inputs=jnp.float16), jamp.custom_bwd)
     g_plain = jax.grad(loss_of(plain), argnums=(0, 1))
     g_deco = variant(jax.grad(loss_of(decorated), argnums=(0, 1)))
-    for a, b in zip(g_deco(X, W), g_plain(X, W)):
-        assert a.dtype == F32
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    got = g_deco(X, W)
+    chex.assert_type(got, F32)
+    chex.assert_trees_all_close(got, g_plain(X, W), rtol=1e-5, atol=1e-6)
     assert set(lowered_op_types(jax.grad(loss_of(decorated)), X, W,
                                 op="dot_general")) == {("float32",) * 3}
 

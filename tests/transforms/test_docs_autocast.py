@@ -7,6 +7,7 @@ ones raised.
 
 import pathlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +73,8 @@ def _nnx(ns):
     model = ns["model"]
     assert not np.allclose(model.bn.mean[...], 0.0)  # the batch statistics moved
     assert int(model.dropout.rngs.count[...]) == 2  # two calls, two masks drawn
-    assert ns["y"].shape == (4, 8) and ns["y"].dtype == jnp.float32
+    chex.assert_shape(ns["y"], (4, 8))
+    chex.assert_type(ns["y"], jnp.float32)
 
 
 def _nnx_functional(ns):
@@ -98,7 +100,7 @@ def _linen_rules(ns):
 
 
 def _nnx_rules(ns):
-    assert ns["tower_out"].shape == (ns["x"].shape[0], 4)
+    chex.assert_shape(ns["tower_out"], (ns["x"].shape[0], 4))
     ns["tower"].eval()  # BatchNorm's statistics are not updated inside make_jaxpr's trace
     low = ns["jamp"].policy.autocast_table(jax.default_backend()).default_dtype
     assert _dot_dtypes(ns["tower_forward"], ns["x"]) == [low, jnp.float32]

@@ -1,6 +1,7 @@
 """Regions inside a transformed function: `with jamp.autocast(enabled=False)`, a nested dtype,
 nesting, decorators, and regions carried into nested jit/scan and through differentiation."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +34,7 @@ def test_regions_set_each_ops_dtype(variant):
     assert lowered_op_types(cpu(three_regions), X, W, op="dot_general") == [
         ("bfloat16",) * 3, ("float32",) * 3, ("float16",) * 3, ("float32",) * 3,
         ("bfloat16",) * 3]
-    for got, want in zip(outs, three_regions(X, W)):
-        np.testing.assert_allclose(got.astype(F32), want, rtol=3e-2, atol=3e-2)
+    chex.assert_trees_all_close(outs, three_regions(X, W), rtol=3e-2, atol=3e-2)
 
 
 def test_regions_survive_differentiation():
