@@ -430,4 +430,4 @@ def _cache_owner(fn):
     return fn
 
 
-__all__ = ["cache_for", "Program", "Source"]
+__all__ = ["cache_for", "Program", "Source", "Trace"]
