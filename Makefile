@@ -20,7 +20,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # `make test ORACLE=` leaves it out.
 ORACLE ?= torch==2.13.0+cpu
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(VENV)/.installed-core: pyproject.toml
 	test -x $(PY) || $(INTERPRETER) -m venv $(VENV)
@@ -39,6 +39,15 @@ demo: $(VENV)/.installed-core
 # Two worker processes: the suite is mostly XLA compiles, which two cores share well.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2
+
+$(VENV)/.installed-lint: $(VENV)/.installed-core
+	$(PIP) install -e '.[lint]'
+	touch $@
+
+# Lint and type-check the package (seconds): the settings are in pyproject.toml.
+lint: $(VENV)/.installed-lint
+	$(VENV)/bin/ruff check jamp
+	$(VENV)/bin/mypy jamp
 
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
