@@ -34,7 +34,8 @@ from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, 
 from jamp.policy.primitives import CHAIN, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SUMS
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
-from jamp.transforms.autocast_rules import Region, is_castable, is_floating
+from jamp.policy.dtypes import is_floating
+from jamp.transforms.autocast_rules import Region, is_castable
 from jamp.transforms.rules import region_of
 
 

@@ -19,13 +19,10 @@ primitive, so structure, custom derivative rules and loop carry types survive:
 
 Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
 of a float32 op (they run in float32 too) and the results of normalization kernels (cast to
-their activation's dtype as they leave). While it is evaluated, the interpreter keeps facts
-about values (`_Frame`): which are scalar-like (literals and what is broadcast from them: they
-follow the other operand), which are constants of the program (such a constant never rounds to
-infinity in the low dtype), which are weights (inputs, moved or reshaped), and which hold the
-low values of a linear layer's kernel: a matmul or convolution of a weight, and the pointwise
-ops torch computes inside the same kernel (`linear`'s bias, an RNN cell's gates). A weight that
-such a value is added to as a bias, or that it scales or gates, follows its dtype.
+their activation's dtype as they leave). While it is evaluated, passes (`autocast_facts`) keep
+what is known of its values: which are constants of the program, which are scalar-like, which
+are weights, and which hold the low values of a linear layer's kernel. A weight that such a
+value is added to as a bias, or that it scales or gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
@@ -41,10 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp.policy import primitives
-from jamp.policy.autocast_tables import LOWER
 from jamp import _jax_internals as jx
+from jamp.policy import dtypes
 from jamp.transforms import autocast_dataflow as dataflow
+from jamp.transforms import autocast_facts
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
@@ -128,191 +125,101 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
     `constants` gives, per argument, the largest finite magnitude of an argument known to be a
     constant of the enclosing program (None where it is not one). `consts` replaces the
     jaxpr's own consts (closed-over arrays the caller passes afresh). `carries`: positions of
-    a loop body's carries, which are the loop's values, never Python-scalar-like (a time or a
-    sum started from `0.0` does not follow what is added to it).
+    a loop body's carries, which are the loop's values, never Python-scalar-like (see
+    `autocast_facts.ScalarLikes`).
     """
     jaxpr = closed.jaxpr
     regions, plan = ctx.plan(jaxpr, region)
     float32 = plan.float32
-    frame = _Frame(ctx.cache_enabled, ctx.substitutes)
-    frame.bind(jaxpr.constvars, closed.consts if consts is None else consts)
-    frame.bind(jaxpr.invars, args, constants, carries)
+    env = _Environment(ctx.substitutes)
+    facts = autocast_facts.Facts(env.read)
+    casts = _Casts(env, facts.constants, ctx.cache_enabled)
+    const_values = closed.consts if consts is None else consts
+    env.bind(jaxpr.constvars, const_values)
+    facts.bind(jaxpr.constvars, const_values)
+    env.bind(jaxpr.invars, args)
+    facts.bind(jaxpr.invars, args, constants, carries)
     for i, eqn in enumerate(jaxpr.eqns):
         rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
         with jx.equation_context(eqn):
             if rule is not None:
                 # A call on a float32 chain takes float32 inputs (see autocast_dataflow).
-                invals = [frame.read_cast(a, rules.FLOAT32) if i in float32
-                          and frame.operand(a).castable else frame.read(a) for a in eqn.invars]
+                invals = [casts.read(a, dtypes.FLOAT32) if i in float32
+                          and _operand(a, env, facts).castable else env.read(a)
+                          for a in eqn.invars]
                 outs = rule(eqn, invals, regions[i], ctx,
-                            [frame.constant(a) for a in eqn.invars])
+                            [facts.constants.of(a) for a in eqn.invars])
             elif jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
-                outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
+                outs = _opaque(eqn, [env.read(a) for a in eqn.invars])
             else:
-                outs = _first_order(eqn, regions[i], frame, i in float32)
+                outs = _first_order(eqn, regions[i], env, facts, casts, i in float32)
         if plan.exits:
-            outs = [_leave_kernel(frame, plan.exits[v], o, regions[i]) if v in plan.exits
+            outs = [_leave_kernel(env, plan.exits[v], o, regions[i]) if v in plan.exits
                     else o for v, o in zip(eqn.outvars, outs, strict=True)]
-        frame.env.update(zip(eqn.outvars, outs, strict=True))
-    return [frame.read(v) for v in jaxpr.outvars]
+        env.bind(eqn.outvars, outs)
+    return [env.read(v) for v in jaxpr.outvars]
 
 
-def _leave_kernel(frame: "_Frame", activations, value, region: Region):
+def _leave_kernel(env: "_Environment", activations, value, region: Region):
     """A normalization's result, computed in float32, in the dtype of the activation it
     normalized, as the region reads it (see `autocast_dataflow.normalization_kernels` and
     `autocast_rules.entered`)."""
-    dtype = rules.widest(rules.entered(region, frame.read(a).dtype, np.dtype(a.aval.dtype))
+    dtype = rules.widest(rules.entered(region, env.read(a).dtype, np.dtype(a.aval.dtype))
                          for a in activations)
-    return cast(value, dtype) if dtype in _BELOW_FP32 and value.dtype == rules.FLOAT32 else value
+    return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
+            else value)
 
 
-class _Frame:
-    """The values of one evaluation of one jaxpr, and what is known about them."""
+class _Environment:
+    """The values of one evaluation of one jaxpr, by variable."""
 
-    def __init__(self, cache_enabled: bool, substitutes: dict):
-        self.env: dict = {}
-        self.cache_enabled = cache_enabled
-        self.substitutes = substitutes
-        self.casts: dict = {}
-        self.constants: dict = {}    # var -> largest finite magnitude, for program constants
-        self.scalar_like: set = set()  # rank-0 weak values and weak broadcasts of them
-        # Inputs of the jaxpr and values moved out of them, with the size and rank of the
-        # input they come from (a bias broadcast to a layer's output is smaller there).
-        self.weights: dict = {}
-        self.kernel: set = set()     # low values of a linear layer's kernel (see `_follower`)
-        self.carries: set = set()    # a loop body's carries: never scalar-like
+    def __init__(self, substitutes: dict):
+        self._values: dict = {}
+        self._substitutes = substitutes
 
-    def bind(self, variables, values, constants=None, carries=frozenset()) -> None:
-        self.env.update(zip(variables, values, strict=True))
-        for i, (var, value, known) in enumerate(zip(
-                variables, values, constants or [None] * len(values), strict=True)):
-            if known is None:
-                known = _scalar_constant(value)
-            if known is not None:
-                self.constants[var] = known
-            self.weights[var] = dataflow.shape_key(var)
-            if i in carries:
-                self.carries.add(var)
-            elif _weak_scalar(var.aval) or _weak_scalar(jax.typeof(value)):
-                self.scalar_like.add(var)
+    def bind(self, variables: Sequence[Any], values: Sequence[Any]) -> None:
+        self._values.update(zip(variables, values, strict=True))
 
     def read(self, atom):
         if isinstance(atom, jx.Literal):
-            substitute = self.substitutes.get(id(atom.val))
+            substitute = self._substitutes.get(id(atom.val))
             if substitute is not None:
                 return substitute
             # As a numpy value of the literal's type, so casts of it stay literals.
-            return np.asarray(atom.val, dtype=atom.aval.dtype) if rules.is_floating(atom.aval) \
-                else atom.val
-        return self.env[atom]
+            return (np.asarray(atom.val, dtype=atom.aval.dtype)
+                    if dtypes.is_floating(atom.aval) else atom.val)
+        return self._values[atom]
 
-    def constant(self, atom) -> np.generic | None:
-        if isinstance(atom, jx.Literal):
-            return _scalar_constant(self.read(atom))
-        return self.constants.get(atom)
 
-    def follows(self, atom) -> bool:
-        """Python-scalar-like: a rank-0 literal (a jaxpr's literals have lost their weak type),
-        a weak-typed rank-0 value, a weak-typed broadcast of one (`jnp.where`'s scalar), or a
-        constant of the program (`jnp.tril`'s zeros: a literal broadcast)."""
-        if isinstance(atom, jx.Literal):
-            return np.ndim(atom.val) == 0
-        if atom in self.carries:
-            return False
-        return (atom in self.scalar_like or atom in self.constants or _weak_scalar(atom.aval)
-                or _weak_scalar(jax.typeof(self.env[atom])))
+class _Casts:
+    """Values read in another dtype, each value cast to each dtype once per evaluation when
+    the cache is enabled (torch's weight cache)."""
 
-    def read_cast(self, atom, dtype, saturating: bool = False):
-        value = self.read(atom)
+    def __init__(self, env: _Environment, constants: autocast_facts.Constants, enabled: bool):
+        self._env = env
+        self._constants = constants
+        self._enabled = enabled
+        self._cache: dict = {}
+
+    def read(self, atom, dtype, saturating: bool = False):
+        """`atom`'s value in `dtype` (None: as it is); `saturating`: finite values beyond
+        `dtype`'s range become its largest finite ones, not infinities."""
+        value = self._env.read(atom)
         if dtype is None or value.dtype == dtype:
             return value
-        if not self.cache_enabled or isinstance(atom, jx.Literal):
+        if not self._enabled or isinstance(atom, jx.Literal):
             return self._cast(atom, value, dtype, saturating)
         key = (atom, dtype, saturating)
-        if key not in self.casts:
-            self.casts[key] = self._cast(atom, value, dtype, saturating)
-        return self.casts[key]
+        if key not in self._cache:
+            self._cache[key] = self._cast(atom, value, dtype, saturating)
+        return self._cache[key]
 
     def _cast(self, atom, value, dtype, saturating: bool):
         # The rules narrow a constant the low dtype cannot hold only where an op selects it;
         # it becomes its nearest finite value there, never infinity.
-        if saturating or rules.overflows(self.constant(atom), dtype):
+        if saturating or rules.overflows(self._constants.of(atom), dtype):
             return cast(saturate(value, dtype), dtype)
         return cast(value, dtype)
-
-    def operand(self, atom) -> rules.Operand:
-        if not rules.is_floating(atom.aval):
-            return rules.Operand(None, None)
-        return rules.Operand(self.read(atom).dtype, np.dtype(atom.aval.dtype),
-                             follows=self.follows(atom), constant=self.constant(atom))
-
-    def note(self, eqn, values: Sequence[Any], kernel: bool = False) -> list:
-        """Records what is known of a first-order equation's outputs (`values`, returned).
-        `kernel`: they are low values of a linear layer's kernel."""
-        name = eqn.primitive.name
-        outs = eqn.outvars
-        inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
-                  and rules.is_floating(a.aval)]
-        if kernel:
-            self.kernel.update(outs)
-        # Weights moved or concatenated are weights (flax's OptimizedLSTMCell concatenates
-        # its gates' kernels and biases).
-        if (name in primitives.MOVES or name in primitives.ASSEMBLES) and inputs and all(
-                a in self.weights for a in inputs):
-            origin = min(self.weights[a] for a in inputs)
-            self.weights.update((o, origin) for o in outs)
-        if name in primitives.MOVES:
-            # jnp converts a weak scalar to a strong one of its dtype before using it, and
-            # broadcasts it weak: both stay scalar-like (a strong array broadcast is not), as
-            # does an integer scalar converted (a count).
-            if self._all_follow(eqn) and all(
-                    not o.aval.shape or getattr(jax.typeof(v), "weak_type", False)
-                    for o, v in zip(outs, values, strict=True)):
-                self.scalar_like.update(outs)
-        elif (name in primitives.ELEMENTWISE and all(not o.aval.shape for o in outs)
-              and self._all_follow(eqn)):
-            # Scalar math on scalars (`jnp.log2`'s log(2), `jnp.var`'s n - ddof) is a Python
-            # scalar computed in the program.
-            self.scalar_like.update(outs)
-        known = _propagated_constant(name, [self.constant(a) for a in eqn.invars
-                                            if rules.is_floating(a.aval)])
-        if known is not None and len(outs) == 1 and rules.is_floating(outs[0].aval):
-            known = known.astype(outs[0].aval.dtype)
-            if np.isfinite(known):
-                self.constants[outs[0]] = known
-        return values
-
-    def _all_follow(self, eqn) -> bool:
-        return all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval))
-
-
-def _weak_scalar(aval) -> bool:
-    return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
-            and rules.is_floating(aval))
-
-
-# Ops whose result holds only values of their floating operands (moved, selected, negated):
-# a constant stays a constant, with the same largest magnitude.
-_CONSTANT_PRESERVING = primitives.MOVES | primitives.ASSEMBLES | frozenset({
-    "gather", "neg", "abs", "stop_gradient", "select_n", "pad", "max", "min", "clamp",
-})
-
-
-def _propagated_constant(name: str, operands: list) -> np.generic | None:
-    if name not in _CONSTANT_PRESERVING or not operands or any(c is None for c in operands):
-        return None
-    return max(operands, key=lambda c: float(c))
-
-
-def _scalar_constant(value) -> np.generic | None:
-    """The magnitude of a concrete rank-0 floating value, when it is finite."""
-    if jx.is_tracer(value) or np.ndim(value) != 0:
-        return None
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        return None
-    magnitude = np.abs(np.asarray(value))[()]
-    return magnitude if np.isfinite(magnitude) else None
 
 
 def saturate(value, dtype):
@@ -323,27 +230,42 @@ def saturate(value, dtype):
     return lax.select(lax.is_finite(value), lax.clamp(low, value, high), value)
 
 
-def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]:
+def _operand(atom, env: _Environment, facts: autocast_facts.Facts) -> rules.Operand:
+    """What the rules need to know of one input (see `autocast_rules.Operand`)."""
+    if not dtypes.is_floating(atom.aval):
+        return rules.Operand(None, None)
+    return rules.Operand(env.read(atom).dtype, np.dtype(atom.aval.dtype),
+                         follows=facts.scalar_likes.follows(atom),
+                         constant=facts.constants.of(atom))
+
+
+def _first_order(eqn, region: Region, env: _Environment, facts: autocast_facts.Facts,
+                 casts: _Casts, float32: bool) -> list[Any]:
+    """A first-order equation re-bound with its inputs cast as `autocast_rules` decides;
+    `float32`: it computes operands of a float32 op (see `autocast_dataflow`)."""
     name = eqn.primitive.name
     if name == "convert_element_type":
         # An explicit cast in the program is honoured as written; one to the dtype a value
         # already has is dropped.
-        value = frame.read(eqn.invars[0])
+        value = env.read(eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        if value.dtype == np.dtype(new_dtype) and not weak_type:
-            return frame.note(eqn, [value])
-        return frame.note(eqn, jx.bind(eqn, eqn.params, [value]))
+        outs = ([value] if value.dtype == np.dtype(new_dtype) and not weak_type
+                else jx.bind(eqn, eqn.params, [value]))
+        facts.note(eqn, outs)
+        return outs
     if name == "optimization_barrier" and region.cast_inputs is not None:
-        values = [frame.read(a) for a in eqn.invars]
+        values = [env.read(a) for a in eqn.invars]
         targets = [region.cast_inputs if rules.is_castable(v.dtype) else None
                    for v in values]
         return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
                                          for v, t in zip(values, targets, strict=True)])
-    floating = [rules.is_floating(a.aval) for a in eqn.invars]
+    floating = [dtypes.is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
-        return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
-    operands = [frame.operand(a) for a in eqn.invars]
-    follower = _follower(eqn, frame)
+        outs = jx.bind(eqn, eqn.params, [env.read(a) for a in eqn.invars])
+        facts.note(eqn, outs)
+        return outs
+    operands = [_operand(a, env, facts) for a in eqn.invars]
+    follower = facts.kernels.follower(eqn)
     if follower is not None:
         operands[follower] = dataclasses.replace(operands[follower], follows=True)
     wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
@@ -355,80 +277,35 @@ def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway). A scale is cast plainly.
-    bias = follower if name in _ADDITIVE else None
-    invals = [frame.read_cast(a, t, saturating=i == bias)
+    bias = follower if name in autocast_facts.ADDITIVE else None
+    invals = [casts.read(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
     # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
     # inputs (jnp.matmul of bfloat16 and float32) computes in their promotion, as traced.
     result = rules.widest(v.dtype for v, f in zip(invals, floating, strict=True) if f)
-    kernel = result in _BELOW_FP32 and (_is_linear_layer(eqn, region, frame) or (
-        name in _EPILOGUE and any(a in frame.kernel for a in eqn.invars
-                                  if not isinstance(a, jx.Literal))))
     # A result-dtype param (a matmul's preferred_element_type) that restates the traced
     # operands' promoted type follows the dtype the op now runs in: a lowered matmul of a
     # bfloat16 and a float32 input returns bfloat16, as torch's does.
     traced = rules.widest(o.traced for o in operands if o.traced is not None)
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
-    if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region, scalar):
-        invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating, strict=True)]
-        params = jx.with_result_dtype(params, result, rules.FLOAT32)
-        outs = jx.bind(eqn, params, invals)
-        return frame.note(eqn, [cast(o, result) if rules.is_floating(o) else o for o in outs])
-    return frame.note(eqn, jx.bind(eqn, params, invals), kernel)
-
-
-def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
-    """torch's linear and conv: a LOWER matmul without batch dimensions, or a convolution,
-    whose right operand (the kernel) is a weight. Attention's batched score matmuls and
-    products of two activations are not: a bias added to those is an activation (a mask)
-    and promotes."""
-    if not region.enabled or region.table.rule(eqn.primitive.name) != LOWER:
-        return False
-    kernel = eqn.invars[1] if len(eqn.invars) > 1 else None
-    return (kernel is not None and not isinstance(kernel, jx.Literal)
-            and kernel in frame.weights and not jx.has_batch_dimensions(eqn))
-
-
-# What torch computes inside a linear layer's kernel after its matmul: pointwise math and moves.
-_EPILOGUE = primitives.ELEMENTWISE | primitives.MOVES
-# A full-size value added to a layer's result is a residual or a mask (torch adds those outside
-# the kernel, so they promote); only a bias is part of it. A value the result multiplies or
-# divides is a scale or a gated state, at any size. Other ops promote as usual.
-_ADDITIVE = frozenset({"add", "sub", "add_any"})
-_SCALING = frozenset({"mul", "div"})
-_COMBINING = _ADDITIVE | _SCALING
-
-
-def _follower(eqn, frame: _Frame) -> int | None:
-    """The operand that follows a linear layer's low dtype in this op, or None.
-
-    torch's lower-precision kernels include pointwise work after their matmul: `linear`, conv
-    and `addmm` add a bias; RNN/GRU/LSTM cells add two, then gate their state with the
-    results. Here that work is separate ops on a kernel value (see `_Frame.kernel`); a weight
-    they combine it with follows its dtype: added, when it is smaller than the result (a
-    bias, broadcast); multiplied or divided, at any size (a scale, a cell state gated).
-    """
-    name = eqn.primitive.name
-    if name not in _COMBINING:
-        return None
-    atoms = [a for a in eqn.invars if rules.is_floating(a.aval)]
-    if len(atoms) != 2 or any(isinstance(a, jx.Literal) for a in atoms):
-        return None
-    result = eqn.outvars[0]
-    for value, other in ((atoms[0], atoms[1]), (atoms[1], atoms[0])):
-        if value in frame.kernel and other not in frame.kernel and other in frame.weights and (
-                name not in _ADDITIVE or dataflow.was_broadcast(frame.weights[other], result)):
-            return eqn.invars.index(other)
-    return None
+    if result in dtypes.HALF_DTYPES and rules.accumulates_in_fp32(name, region, scalar):
+        invals = [cast(v, dtypes.FLOAT32) if f else v
+                  for v, f in zip(invals, floating, strict=True)]
+        params = jx.with_result_dtype(params, result, dtypes.FLOAT32)
+        outs = [cast(o, result) if dtypes.is_floating(o) else o
+                for o in jx.bind(eqn, params, invals)]
+        facts.note(eqn, outs)
+        return outs
+    facts.kernels.note(eqn, region, result)
+    outs = jx.bind(eqn, params, invals)
+    facts.note(eqn, outs)
+    return outs
 
 
 def _is_wide(aval) -> bool:
     dtype = getattr(aval, "dtype", None)
     return dtype is not None and (dtype == np.float64 or jnp.issubdtype(dtype,
                                                                          jnp.complexfloating))
-
-
-_BELOW_FP32 = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
 def _opaque(eqn, invals) -> list[Any]:
