@@ -18,7 +18,7 @@ keep nothing but their facts.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -46,16 +46,12 @@ class Constants:
         self._read = read
         self._known: dict = {}
 
-    def bind(self, variables: Sequence[Any], values: Sequence[Any],
-             known: Sequence[np.generic | None] | None = None) -> None:
-        """Records the jaxpr's inputs; `known` gives, per input, a magnitude the caller
-        knows (None where it knows none)."""
-        for var, value, magnitude in zip(variables, values, known or [None] * len(values),
-                                         strict=True):
-            if magnitude is None:
-                magnitude = scalar_constant(value)
-            if magnitude is not None:
-                self._known[var] = magnitude
+    def bind(self, var, value, known: np.generic | None = None) -> None:
+        """Records an input of the jaxpr; `known`: a magnitude the caller knows it has."""
+        if known is None:
+            known = scalar_constant(value)
+        if known is not None:
+            self._known[var] = known
 
     def of(self, atom) -> np.generic | None:
         """The largest finite magnitude of `atom` when it is a constant, else None."""
@@ -112,15 +108,12 @@ class ScalarLikes:
         self._known: set = set()
         self._carries: set = set()
 
-    def bind(self, variables: Sequence[Any], values: Sequence[Any],
-             carries: Iterable[int] = ()) -> None:
-        """Records the jaxpr's inputs; `carries` are the positions of a loop body's carries."""
-        carries = frozenset(carries)
-        for i, (var, value) in enumerate(zip(variables, values, strict=True)):
-            if i in carries:
-                self._carries.add(var)
-            elif weak_scalar(var.aval) or weak_scalar(jax.typeof(value)):
-                self._known.add(var)
+    def bind(self, var, value, carry: bool = False) -> None:
+        """Records an input of the jaxpr; `carry`: it is a loop body's carry."""
+        if carry:
+            self._carries.add(var)
+        elif weak_scalar(var.aval) or weak_scalar(jax.typeof(value)):
+            self._known.add(var)
 
     def follows(self, atom) -> bool:
         """True when `atom` is scalar-like."""
@@ -167,9 +160,9 @@ class Weights:
     def __init__(self):
         self._origins: dict = {}
 
-    def bind(self, variables: Sequence[Any]) -> None:
-        """Records the jaxpr's inputs."""
-        self._origins.update((v, dataflow.shape_key(v)) for v in variables)
+    def bind(self, var) -> None:
+        """Records an input of the jaxpr."""
+        self._origins[var] = dataflow.shape_key(var)
 
     def __contains__(self, atom) -> bool:
         return not isinstance(atom, jx.Literal) and atom in self._origins
@@ -270,14 +263,13 @@ class Facts:
         self.weights = Weights()
         self.kernels = Kernels(self.weights)
 
-    def bind(self, variables: Sequence[Any], values: Sequence[Any],
-             constants: Sequence[np.generic | None] | None = None,
-             carries: Iterable[int] = ()) -> None:
-        """Records inputs of the jaxpr (its consts, or its arguments with the magnitudes of
-        those known to be constants and the positions of a loop body's carries)."""
-        self.constants.bind(variables, values, constants)
-        self.weights.bind(variables)
-        self.scalar_likes.bind(variables, values, carries)
+    def bind(self, var, value, constant: np.generic | None = None,
+             carry: bool = False) -> None:
+        """Records an input of the jaxpr (a const or an argument): `constant`, the magnitude of
+        one known to be a constant of the program; `carry`, it is a loop body's carry."""
+        self.constants.bind(var, value, constant)
+        self.weights.bind(var)
+        self.scalar_likes.bind(var, value, carry)
 
     def note(self, eqn, values: Sequence[Any]) -> None:
         """Records what a first-order equation's outputs (`values`) are, but for kernel

@@ -136,9 +136,12 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
     casts = _Casts(env, facts.constants, ctx.cache_enabled)
     const_values = closed.consts if consts is None else consts
     env.bind(jaxpr.constvars, const_values)
-    facts.bind(jaxpr.constvars, const_values)
+    for var, value in zip(jaxpr.constvars, const_values, strict=True):
+        facts.bind(var, value)
     env.bind(jaxpr.invars, args)
-    facts.bind(jaxpr.invars, args, constants, carries)
+    for i, (var, value, known) in enumerate(zip(jaxpr.invars, args,
+                                                constants or [None] * len(args), strict=True)):
+        facts.bind(var, value, known, i in carries)
     for i, eqn in enumerate(jaxpr.eqns):
         rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
         with jx.equation_context(eqn):
