@@ -1,8 +1,9 @@
-"""The autocast interpreter: one loop over a jaxpr's equations and one rule table.
+"""The autocast interpreter: the one evaluator (`jamp.walker.evaluate`) with autocast's rules.
 
 First-order equations are re-bound with their inputs cast as `autocast_rules` decides.
-Higher-order primitives get a rule each that transforms the sub-jaxprs and re-binds the same
-primitive, so structure, custom derivative rules and loop carry types survive:
+Higher-order primitives get a rule each that transforms the sub-jaxprs and rebuilds the same
+primitive around them (with `jamp.walker.control_flow`), so structure, custom derivative rules
+and loop carry types survive:
 
 - `jit` (and `closed_call`), `checkpoint`/`remat`, `shard_map`, `custom_jvp_call`: the body is
   transformed for the current input dtypes and may return lower-precision values, as the same
@@ -45,6 +46,8 @@ from jamp.transforms import autocast_facts
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
+from jamp.walker import control_flow
+from jamp.walker.evaluate import Body, Env, Interpreter
 
 
 @dataclasses.dataclass
@@ -128,78 +131,93 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
     a loop body's carries, which are the loop's values, never Python-scalar-like (see
     `autocast_facts.ScalarLikes`).
     """
-    jaxpr = closed.jaxpr
-    regions, plan = ctx.plan(jaxpr, region)
-    float32 = plan.float32
-    env = _Environment(ctx.substitutes)
-    facts = autocast_facts.Facts(env.read)
-    casts = _Casts(env, facts.constants, ctx.cache_enabled)
-    const_values = closed.consts if consts is None else consts
-    env.bind(jaxpr.constvars, const_values)
-    for var, value in zip(jaxpr.constvars, const_values, strict=True):
-        facts.bind(var, value)
-    env.bind(jaxpr.invars, args)
-    for i, (var, value, known) in enumerate(zip(jaxpr.invars, args,
-                                                constants or [None] * len(args), strict=True)):
-        facts.bind(var, value, known, i in carries)
-    for i, eqn in enumerate(jaxpr.eqns):
-        rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
-        with jx.equation_context(eqn):
-            if rule is not None:
-                # A call on a float32 chain takes float32 inputs (see autocast_dataflow).
-                invals = [casts.read(a, dtypes.FLOAT32) if i in float32
-                          and _operand(a, env, facts).castable else env.read(a)
-                          for a in eqn.invars]
-                outs = rule(eqn, invals, regions[i], ctx,
-                            [facts.constants.of(a) for a in eqn.invars])
-            elif jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
-                outs = _opaque(eqn, [env.read(a) for a in eqn.invars])
-            else:
-                outs = _first_order(eqn, regions[i], env, facts, casts, i in float32)
-        if plan.exits:
-            outs = [_leave_kernel(env, plan.exits[v], o, regions[i]) if v in plan.exits
-                    else o for v, o in zip(eqn.outvars, outs, strict=True)]
-        env.bind(eqn.outvars, outs)
-    return [env.read(v) for v in jaxpr.outvars]
+    autocast = Autocast(ctx)
+    return autocast.evaluate(closed, args, autocast.env_for(closed, region, constants, carries),
+                             consts)
 
 
-def _leave_kernel(env: "_Environment", activations, value, region: Region):
+class _Evaluation(Env):
+    """One evaluation of one jaxpr under autocast: its environment (`values`), where its
+    equations sit (`regions`), what `autocast_dataflow` planned for it, the passes that keep
+    facts about its values, and its casts."""
+
+    def __init__(self, autocast: "Autocast", closed: jx.ClosedJaxpr, region: Region,
+                 constants: Sequence[np.generic | None] | None, carries: frozenset[int]):
+        super().__init__()
+        jaxpr = closed.jaxpr
+        self.regions, self.plan = autocast.ctx.plan(jaxpr, region)
+        self.facts = autocast_facts.Facts(lambda atom: autocast.read(self, atom))
+        self.casts = _Casts(lambda atom: autocast.read(self, atom), self.facts.constants,
+                            autocast.ctx.cache_enabled)
+        # Per argument: its magnitude if it is a constant of the program, and whether it is a
+        # loop body's carry (the consts are neither).
+        self.inputs = {var: (known, i in carries) for i, (var, known) in enumerate(
+            zip(jaxpr.invars, constants or [None] * len(jaxpr.invars), strict=True))}
+
+    @property
+    def eqn_region(self) -> Region:
+        """The region of the equation being evaluated."""
+        return self.regions[self.index]
+
+
+class Autocast(Interpreter):
+    """The autocast interpreter of one program (`ctx`): first-order equations go to `default`
+    (cast as `autocast_rules` decides), higher-order ones to their rule in `rules`."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def env_for(self, closed: jx.ClosedJaxpr, region: Region,
+                constants: Sequence[np.generic | None] | None = None,
+                carries: frozenset[int] = frozenset()) -> _Evaluation:
+        """The env of an evaluation of `closed` in `region` (see `eval_jaxpr`)."""
+        return _Evaluation(self, closed, region, constants, carries)
+
+    def read(self, env: Env, atom: Any) -> Any:
+        if isinstance(atom, jx.Literal):
+            substitute = self.ctx.substitutes.get(id(atom.val))
+            if substitute is not None:
+                return substitute
+        return super().read(env, atom)
+
+    def operands(self, env: _Evaluation, eqn: jx.JaxprEqn) -> list:
+        # A call on a float32 chain takes float32 inputs (see autocast_dataflow); first-order
+        # equations cast their own inputs (`_first_order`).
+        if eqn.primitive.name in self.rules and env.index in env.plan.float32:
+            return [env.casts.read(a, dtypes.FLOAT32) if _operand(self, env, a).castable
+                    else self.read(env, a) for a in eqn.invars]
+        return super().operands(env, eqn)
+
+    def write(self, env: _Evaluation, var: jx.Var, value: Any) -> None:
+        if env.index < 0:
+            env.facts.bind(var, value, *env.inputs.get(var, (None, False)))
+        elif var in env.plan.exits:
+            value = _leave_kernel(self, env, env.plan.exits[var], value)
+        env.values[var] = value
+
+    def default(self, env: _Evaluation, eqn: jx.JaxprEqn, invals: list) -> list:
+        if jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
+            return _opaque(eqn, invals)
+        return _first_order(self, env, eqn)
+
+
+def _leave_kernel(autocast: Autocast, env: _Evaluation, activations, value):
     """A normalization's result, computed in float32, in the dtype of the activation it
     normalized, as the region reads it (see `autocast_dataflow.normalization_kernels` and
     `autocast_rules.entered`)."""
-    dtype = rules.widest(rules.entered(region, env.read(a).dtype, np.dtype(a.aval.dtype))
-                         for a in activations)
+    dtype = rules.widest(rules.entered(env.eqn_region, autocast.read(env, a).dtype,
+                                       np.dtype(a.aval.dtype)) for a in activations)
     return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
             else value)
-
-
-class _Environment:
-    """The values of one evaluation of one jaxpr, by variable."""
-
-    def __init__(self, substitutes: dict):
-        self._values: dict = {}
-        self._substitutes = substitutes
-
-    def bind(self, variables: Sequence[Any], values: Sequence[Any]) -> None:
-        self._values.update(zip(variables, values, strict=True))
-
-    def read(self, atom):
-        if isinstance(atom, jx.Literal):
-            substitute = self._substitutes.get(id(atom.val))
-            if substitute is not None:
-                return substitute
-            # As a numpy value of the literal's type, so casts of it stay literals.
-            return (np.asarray(atom.val, dtype=atom.aval.dtype)
-                    if dtypes.is_floating(atom.aval) else atom.val)
-        return self._values[atom]
 
 
 class _Casts:
     """Values read in another dtype, each value cast to each dtype once per evaluation when
     the cache is enabled (torch's weight cache)."""
 
-    def __init__(self, env: _Environment, constants: autocast_facts.Constants, enabled: bool):
-        self._env = env
+    def __init__(self, read: Callable[[Any], Any], constants: autocast_facts.Constants,
+                 enabled: bool):
+        self._read = read
         self._constants = constants
         self._enabled = enabled
         self._cache: dict = {}
@@ -207,7 +225,7 @@ class _Casts:
     def read(self, atom, dtype, saturating: bool = False):
         """`atom`'s value in `dtype` (None: as it is); `saturating`: finite values beyond
         `dtype`'s range become its largest finite ones, not infinities."""
-        value = self._env.read(atom)
+        value = self._read(atom)
         if dtype is None or value.dtype == dtype:
             return value
         if not self._enabled or isinstance(atom, jx.Literal):
@@ -233,55 +251,57 @@ def saturate(value, dtype):
     return lax.select(lax.is_finite(value), lax.clamp(low, value, high), value)
 
 
-def _operand(atom, env: _Environment, facts: autocast_facts.Facts) -> rules.Operand:
+def _operand(autocast: Autocast, env: _Evaluation, atom) -> rules.Operand:
     """What the rules need to know of one input (see `autocast_rules.Operand`)."""
     if not dtypes.is_floating(atom.aval):
         return rules.Operand(None, None)
-    return rules.Operand(env.read(atom).dtype, np.dtype(atom.aval.dtype),
-                         follows=facts.scalar_likes.follows(atom),
-                         constant=facts.constants.of(atom))
+    return rules.Operand(autocast.read(env, atom).dtype, np.dtype(atom.aval.dtype),
+                         follows=env.facts.scalar_likes.follows(atom),
+                         constant=env.facts.constants.of(atom))
 
 
-def _first_order(eqn, region: Region, env: _Environment, facts: autocast_facts.Facts,
-                 casts: _Casts, float32: bool) -> list[Any]:
-    """A first-order equation re-bound with its inputs cast as `autocast_rules` decides;
-    `float32`: it computes operands of a float32 op (see `autocast_dataflow`)."""
+def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
+    """A first-order equation re-bound with its inputs cast as `autocast_rules` decides."""
     name = eqn.primitive.name
+    region = env.eqn_region
+    facts = env.facts
     if name == "convert_element_type":
         # An explicit cast in the program is honoured as written; one to the dtype a value
         # already has is dropped.
-        value = env.read(eqn.invars[0])
+        value = autocast.read(env, eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
         outs = ([value] if value.dtype == np.dtype(new_dtype) and not weak_type
                 else jx.bind(eqn, eqn.params, [value]))
         facts.note(eqn, outs)
         return outs
     if name == "optimization_barrier" and region.cast_inputs is not None:
-        values = [env.read(a) for a in eqn.invars]
+        values = [autocast.read(env, a) for a in eqn.invars]
         targets = [region.cast_inputs if rules.is_castable(v.dtype) else None
                    for v in values]
         return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
                                          for v, t in zip(values, targets, strict=True)])
     floating = [dtypes.is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
-        outs = jx.bind(eqn, eqn.params, [env.read(a) for a in eqn.invars])
+        outs = jx.bind(eqn, eqn.params, [autocast.read(env, a) for a in eqn.invars])
         facts.note(eqn, outs)
         return outs
-    operands = [_operand(a, env, facts) for a in eqn.invars]
+    operands = [_operand(autocast, env, a) for a in eqn.invars]
     follower = facts.kernels.follower(eqn)
     if follower is not None:
         operands[follower] = dataclasses.replace(operands[follower], follows=True)
     wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
     scalar = dataflow.sums_to_scalar(eqn)
+    # An equation that computes operands of a float32 op runs in float32 (see
+    # autocast_dataflow).
     targets = rules.input_targets(
-        name, region, operands, float32=float32,
+        name, region, operands, float32=env.index in env.plan.float32,
         traced_only=jx.declares_result_types(eqn.params), wide_values=wide,
         scalar_result=scalar)
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway). A scale is cast plainly.
     bias = follower if name in autocast_facts.ADDITIVE else None
-    invals = [casts.read(a, t, saturating=i == bias)
+    invals = [env.casts.read(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
     # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
     # inputs (jnp.matmul of bfloat16 and float32) computes in their promotion, as traced.
@@ -363,47 +383,68 @@ def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.C
     return ctx.jaxprs[key]
 
 
+def _eval_kept(closed, args, region, ctx) -> list[Any]:
+    return cast_to_avals(eval_jaxpr(closed, args, region, ctx), closed.out_avals)
+
+
+def _running(transformed: jx.ClosedJaxpr) -> Body:
+    """A body evaluator (`jamp.walker.control_flow`) that runs `transformed`, the body it is
+    given already transformed (a loop's, settled for its carries), in its place."""
+    return lambda closed, args: (jx.eval_closed(transformed, list(args)), {})
+
+
+def _kept_bodies(region: Region, ctx: Context) -> Body:
+    """A body evaluator that runs each body it is given transformed with its interface kept
+    (`interface_kept`)."""
+    return lambda closed, args: (jx.eval_closed(interface_kept(closed, region, ctx), list(args)),
+                                 {})
+
+
 # -- higher-order rules -----------------------------------------------------------------------
 
-def _jit_rule(eqn, invals, region, ctx, constants):
+def _constants(env: _Evaluation, eqn) -> list[np.generic | None]:
+    """The magnitude of each input of `eqn` that is a constant of the program (else None)."""
+    return [env.facts.constants.of(a) for a in eqn.invars]
+
+
+def _jit_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    # Re-bound with its body transformed once per program for these inputs (rather than
+    # traced again at each call): a function called many times (jnp's jitted helpers)
+    # lowers to one function.
     key = jx.call_body_key(eqn.params)
-    new = specialized(eqn.params[key], region, ctx, invals, constants)
+    new = specialized(eqn.params[key], env.eqn_region, autocast.ctx, invals,
+                      _constants(env, eqn))
     return jx.bind(eqn, dict(eqn.params, **{key: new}), invals)
 
 
-def _remat_rule(eqn, invals, region, ctx, constants):
-    body = jx.remat_body(eqn.params)
-    fn = jax.checkpoint(lambda *args: eval_jaxpr(body, args, region, ctx, constants),
-                        **jx.remat_options(eqn.params))
-    return list(fn(*invals))
+def _remat_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    constants = _constants(env, eqn)
+    body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region, constants))
+    return control_flow.remat(eqn, invals, body)[0]
 
 
-def _shard_map_rule(eqn, invals, region, ctx, constants):
-    body = jx.shard_map_body(eqn.params)
-    fn = jax.shard_map(lambda *args: tuple(eval_jaxpr(body, args, region, ctx, constants)),
-                       **jx.shard_map_options(eqn.params))
-    return list(fn(*invals))
+def _shard_map_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    constants = _constants(env, eqn)
+    body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region, constants))
+    return control_flow.shard_map(eqn, invals, body)[0]
 
 
-def _kept_rule(eqn, invals, region, ctx, constants):
-    """Loops and branches: their sub-jaxprs keep their interface."""
-    params = dict(eqn.params)
-    for key in jx.KEPT_BODY_PARAMS[eqn.primitive.name]:
-        value = params[key]
-        if isinstance(value, (tuple, list)):
-            params[key] = type(value)(interface_kept(v, region, ctx) for v in value)
-        else:
-            params[key] = interface_kept(value, region, ctx)
-    return jx.bind(eqn, params, _to_traced(eqn, invals))
+def _cond_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    """Branches keep their interface: they must agree on their outputs' types."""
+    invals = _to_traced(eqn, invals)
+    return control_flow.switch(eqn, invals[0], invals[1:],
+                               _kept_bodies(env.eqn_region, autocast.ctx))[0]
 
 
-def _scan_rule(eqn, invals, region, ctx, constants):
-    """A scan whose carries take the dtypes its body gives them (see `_settled`)."""
-    body, num_consts, num_carry, options = jx.scan_parts(eqn.params)
+def _scan_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    """A scan whose carries take the dtypes its body gives them (see `_settled`); one whose
+    carries do not settle keeps its interface."""
+    region, ctx = env.eqn_region, autocast.ctx
+    body, num_consts, num_carry, _ = jx.scan_parts(eqn.params)
     consts = invals[:num_consts]
     init = invals[num_consts:num_consts + num_carry]
     xs = invals[num_consts + num_carry:]
-    inner_constants = [*constants[:num_consts], *[None] * (len(invals) - num_consts)]
+    inner_constants = [*_constants(env, eqn)[:num_consts], *[None] * (len(invals) - num_consts)]
     fixed = [jax.typeof(v) for v in consts]
     x_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in xs]
     positions = range(num_consts, num_consts + num_carry)
@@ -413,20 +454,18 @@ def _scan_rule(eqn, invals, region, ctx, constants):
                                        inner_constants, frozenset(positions)),
         init, body.in_avals[num_consts:num_consts + num_carry], adding)
     if settled is None:
-        return _kept_rule(eqn, invals, region, ctx, constants)
+        return control_flow.scan(eqn, _to_traced(eqn, invals), _kept_bodies(region, ctx))[0]
     closed, carry_avals = settled
-
-    def step(carry, x):
-        outs = jx.eval_closed(closed, [*consts, *carry, *x])
-        return outs[:num_carry], outs[num_carry:]
-
-    carry, ys = jax.lax.scan(step, _as_carries(init, carry_avals), xs, **options)
-    return [*carry, *ys]
+    return control_flow.scan(eqn, [*consts, *_as_carries(init, carry_avals), *xs],
+                             _running(closed))[0]
 
 
-def _while_rule(eqn, invals, region, ctx, constants):
-    """A while loop whose carries take the dtypes its body gives them (see `_settled`); the
-    condition is transformed for the same dtypes."""
+def _while_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    """A while loop whose carries take the dtypes its body gives them (see `_settled`), its
+    condition transformed for the same dtypes; one whose carries do not settle keeps its
+    interface."""
+    region, ctx = env.eqn_region, autocast.ctx
+    constants = _constants(env, eqn)
     cond, body, cond_n, body_n = jx.while_parts(eqn.params)
     cond_consts, body_consts = invals[:cond_n], invals[cond_n:cond_n + body_n]
     init = invals[cond_n + body_n:]
@@ -439,16 +478,17 @@ def _while_rule(eqn, invals, region, ctx, constants):
                                        body_constants, frozenset(positions)),
         init, body.in_avals[body_n:], adding)
     if settled is None:
-        return _kept_rule(eqn, invals, region, ctx, constants)
+        kept = _kept_bodies(region, ctx)
+        return control_flow.while_loop(eqn, _to_traced(eqn, invals), kept,
+                                       lambda closed, args: kept(closed, args)[0][0])[0]
     body_closed, carry_avals = settled
     cond_closed = specialized_at(cond, region, ctx,
                                  [*map(jax.typeof, cond_consts), *carry_avals],
                                  [*constants[:cond_n], *[None] * len(init)],
                                  frozenset(range(cond_n, cond_n + len(init))))
-    return jax.lax.while_loop(
-        lambda carry: jx.eval_closed(cond_closed, [*cond_consts, *carry])[0],
-        lambda carry: jx.eval_closed(body_closed, [*body_consts, *carry]),
-        _as_carries(init, carry_avals))
+    return control_flow.while_loop(
+        eqn, [*cond_consts, *body_consts, *_as_carries(init, carry_avals)],
+        _running(body_closed), lambda closed, args: jx.eval_closed(cond_closed, args)[0])[0]
 
 
 def _settled(trace_body: Callable, init: Sequence[Any], traced: Sequence[Any],
@@ -489,26 +529,20 @@ def _as_carries(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
 _CARRY_ROUNDS = 3
 
 
-def _custom_jvp_rule(eqn, invals, region, ctx, constants):
+def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     # Specialized to the current dtypes, like jit: jax.nn.relu of a bfloat16 value stays
-    # bfloat16. The user's jvp rule is traced for the same dtypes and its outputs are cast to
-    # the primal body's, so primal and tangent types agree as JAX requires.
-    call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals, constants)
-    primal_avals = [jax.typeof(v) for v in invals[jx.custom_call_num_consts(eqn.params):]]
-    out_avals = call.out_avals
+    # bfloat16. The user's jvp rule is evaluated for the same dtypes (the helper casts its
+    # outputs to the primal body's, so primal and tangent types agree as JAX requires).
+    region, ctx = env.eqn_region, autocast.ctx
+    primal = jx.custom_call_body(eqn.params)
+    call = specialized(primal, region, ctx, invals, _constants(env, eqn))
 
-    def transform(jvp_closed, zeros, out_zeros):
-        tangent_avals = [jx.tangent_aval(a) for a, z in zip(primal_avals, zeros, strict=True)
-                         if not z]
-        tangent_out_avals = [a for a, z in zip(out_avals, out_zeros, strict=True) if not z]
+    def body(closed, args):
+        if closed is primal:
+            return jx.eval_closed(call, list(args)), {}
+        return autocast.run(closed, args, autocast.env_for(closed, region))
 
-        def body(*args):
-            outs = eval_jaxpr(jvp_closed, args, region, ctx)
-            return cast_to_avals(outs, list(out_avals) + tangent_out_avals)
-
-        return jx.trace_closed(body, primal_avals + tangent_avals)
-
-    return jx.bind(eqn, jx.custom_jvp_params(eqn.params, call, transform), invals)
+    return control_flow.custom_jvp(eqn, invals, body)[0]
 
 
 class RetraceableCall:
@@ -529,15 +563,13 @@ class RetraceableCall:
         raise NotImplementedError
 
 
-def _custom_vjp_rule(eqn, invals, region, ctx, constants):
+def _custom_vjp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    region, ctx = env.eqn_region, autocast.ctx
     bwd = jx.custom_vjp_bwd(eqn.params)
     if isinstance(bwd, RetraceableCall):
-        return _retraceable_rule(eqn, bwd, invals, region, ctx, constants)
-    call = interface_kept(jx.custom_call_body(eqn.params), region, ctx)
-    params = jx.custom_vjp_params(eqn.params, call,
-                                  lambda cj: interface_kept(cj, region, ctx),
-                                  _bwd_in(region.off_as_is(), ctx))
-    return jx.bind(eqn, params, _to_traced(eqn, invals))
+        return _retraceable_rule(eqn, bwd, invals, region, ctx, _constants(env, eqn))
+    return control_flow.custom_vjp(eqn, invals, _kept_bodies(region, ctx),
+                                   _bwd_in(region.off_as_is(), ctx))[0]
 
 
 def _retraceable_rule(eqn, bwd: RetraceableCall, invals, region, ctx, constants):
@@ -620,17 +652,13 @@ def _bwd_in(bwd_region: Region, ctx: Context) -> Callable[[Callable], Callable]:
     return wrap_bwd
 
 
-def _eval_kept(closed, args, region, ctx) -> list[Any]:
-    return cast_to_avals(eval_jaxpr(closed, args, region, ctx), closed.out_avals)
-
-
-HIGHER_ORDER_RULES: dict[str, Callable] = {
+Autocast.rules = {
     **dict.fromkeys(jx.FUNCTION_CALLS, _jit_rule),
     "remat2": _remat_rule,
     "shard_map": _shard_map_rule,
     "scan": _scan_rule,
     "while": _while_rule,
-    "cond": _kept_rule,
+    "cond": _cond_rule,
     "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _custom_vjp_rule,
 }

@@ -153,3 +153,26 @@ def test_a_custom_vjp_bwd_runs_with_autocast_off():
     assert gx.dtype == gw.dtype == F32
     np.testing.assert_allclose(gx, want[0], rtol=1e-6)
     np.testing.assert_allclose(gw, want[1], rtol=1e-6)
+
+
+def _swap(c):
+    return c[1], c[0]
+
+
+@pytest.mark.parametrize("loop", [
+    lambda c, xs: lax.scan(lambda c, x: (_swap(c), None), c, xs)[0],
+    lambda c, xs: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, *_swap(c[1:])),
+                                 (0, *c))[1:],
+], ids=["scan", "while"])
+def test_a_loop_whose_carries_never_settle_keeps_its_traced_interface(loop, variant):
+    # Carries that swap a low and a float32 value take a new dtype at every step.
+    def swapping(x, w, xs):
+        return loop((x, x @ w), xs)
+
+    run, jaxpr = transformed(swapping, X, W, XS)
+    (loop_eqn,) = [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+    assert [np.dtype(v.aval.dtype) for v in loop_eqn.outvars][-2:] == [F32, F32]
+    outs = variant(run)(X, W, XS)
+    for got, want in zip(outs, swapping(X, W, XS), strict=True):
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, want, atol=2e-2)
