@@ -66,10 +66,11 @@ class Constants:
         """Records the constant an equation that only passes constants through returns."""
         if eqn.primitive.name not in _CONSTANT_PRESERVING or len(eqn.outvars) != 1:
             return
-        magnitudes = [self.of(a) for a in eqn.invars if dtypes.is_floating(a.aval)]
+        operands = [a for a in eqn.invars if dtypes.is_floating(a.aval)]
+        magnitudes = [m for m in map(self.of, operands) if m is not None]
         out = eqn.outvars[0]
-        if not magnitudes or any(m is None for m in magnitudes) or not dtypes.is_floating(
-                out.aval):
+        if (not operands or len(magnitudes) != len(operands)
+                or not dtypes.is_floating(out.aval)):
             return
         largest = max(magnitudes, key=float).astype(out.aval.dtype)
         if np.isfinite(largest):
