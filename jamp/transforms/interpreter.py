@@ -178,6 +178,10 @@ class Autocast(Interpreter):
             substitute = self.ctx.substitutes.get(id(atom.val))
             if substitute is not None:
                 return substitute
+            # An integer or bool literal is bound as the program holds it: as a numpy value
+            # it would be typed anew and lower differently (a gather's index).
+            if not dtypes.is_floating(atom.aval):
+                return atom.val
         return super().read(env, atom)
 
     def operands(self, env: _Evaluation, eqn: jx.JaxprEqn) -> list:
