@@ -185,11 +185,6 @@ def retypeable_scatter(eqn: JaxprEqn) -> bool:
 # result type", so they follow the dtype autocast chose.
 _RESULT_DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
 
-# Sub-jaxpr params of the loop and branch primitives, whose bodies keep their interface.
-KEPT_BODY_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"),
-                    "cond": ("branches",)}
-
-
 def convert_target(eqn: JaxprEqn) -> tuple[Any, bool]:
     """The (new_dtype, weak_type) of a `convert_element_type` equation."""
     return eqn.params["new_dtype"], bool(eqn.params.get("weak_type", False))

@@ -19,14 +19,11 @@ import numpy as np
 
 from jamp.policy import primitives
 from jamp.policy.autocast_tables import (
-    ACCUMULATE_FP32, AUTOCAST_DTYPES, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
+    ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, OpTable, autocast_table)
+from jamp.policy.dtypes import AUTOCAST_DTYPES, FLOAT32
 
 MARKER_PREFIX = "jamp_autocast"
 _MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"\[([^\]]*)\]")
-
-FLOAT32 = np.dtype(jnp.float32)
-# The dtypes autocast may cast from and to; float64 and float8 types are never touched.
-CASTABLE = frozenset(np.dtype(d) for d in AUTOCAST_DTYPES)
 
 # Primitives whose params hold jaxprs or computations typed for the traced dtypes (generic
 # reduce/reduce_window bodies): they run in the traced dtypes. So do primitives whose params
@@ -121,15 +118,10 @@ def apply_markers(region: Region, markers) -> Region:
     return region
 
 
-def is_floating(aval) -> bool:
-    """True for an abstract value (or array) of a real floating dtype."""
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
 def is_castable(dtype) -> bool:
-    """float16, bfloat16 or float32 (`dtype` is a numpy or JAX extended dtype, or None)."""
-    return dtype is not None and dtype in CASTABLE
+    """float16, bfloat16 or float32: the dtypes autocast casts between (`dtype` is a numpy or
+    JAX extended dtype, or None); float64 and float8 types are never touched."""
+    return dtype is not None and dtype in AUTOCAST_DTYPES
 
 
 def widest(dtypes) -> np.dtype:

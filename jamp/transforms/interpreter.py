@@ -1,8 +1,9 @@
-"""The autocast interpreter: one loop over a jaxpr's equations and one rule table.
+"""The autocast interpreter: the one evaluator (`jamp.walker.evaluate`) with autocast's rules.
 
 First-order equations are re-bound with their inputs cast as `autocast_rules` decides.
-Higher-order primitives get a rule each that transforms the sub-jaxprs and re-binds the same
-primitive, so structure, custom derivative rules and loop carry types survive:
+Higher-order primitives get a rule each that transforms the sub-jaxprs and rebuilds the same
+primitive around them (with `jamp.walker.control_flow`), so structure, custom derivative rules
+and loop carry types survive:
 
 - `jit` (and `closed_call`), `checkpoint`/`remat`, `shard_map`, `custom_jvp_call`: the body is
   transformed for the current input dtypes and may return lower-precision values, as the same
@@ -19,13 +20,10 @@ primitive, so structure, custom derivative rules and loop carry types survive:
 
 Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
 of a float32 op (they run in float32 too) and the results of normalization kernels (cast to
-their activation's dtype as they leave). While it is evaluated, the interpreter keeps facts
-about values (`_Frame`): which are scalar-like (literals and what is broadcast from them: they
-follow the other operand), which are constants of the program (such a constant never rounds to
-infinity in the low dtype), which are weights (inputs, moved or reshaped), and which hold the
-low values of a linear layer's kernel: a matmul or convolution of a weight, and the pointwise
-ops torch computes inside the same kernel (`linear`'s bias, an RNN cell's gates). A weight that
-such a value is added to as a bias, or that it scales or gates, follows its dtype.
+their activation's dtype as they leave). While it is evaluated, passes (`autocast_facts`) keep
+what is known of its values: which are constants of the program, which are scalar-like, which
+are weights, and which hold the low values of a linear layer's kernel. A weight that such a
+value is added to as a bias, or that it scales or gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
@@ -41,13 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp.policy import primitives
-from jamp.policy.autocast_tables import LOWER
 from jamp import _jax_internals as jx
+from jamp.policy import dtypes, primitives
 from jamp.transforms import autocast_dataflow as dataflow
+from jamp.transforms import autocast_facts
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
+from jamp.walker import control_flow
+from jamp.walker.evaluate import Body, Env, Interpreter
 
 
 @dataclasses.dataclass
@@ -128,185 +128,123 @@ def eval_jaxpr(closed: jx.ClosedJaxpr, args: Sequence[Any], region: Region, ctx:
     `constants` gives, per argument, the largest finite magnitude of an argument known to be a
     constant of the enclosing program (None where it is not one). `consts` replaces the
     jaxpr's own consts (closed-over arrays the caller passes afresh). `carries`: positions of
-    a loop body's carries, which are the loop's values, never Python-scalar-like (a time or a
-    sum started from `0.0` does not follow what is added to it).
+    a loop body's carries, which are the loop's values, never Python-scalar-like (see
+    `autocast_facts.ScalarLikes`).
     """
-    jaxpr = closed.jaxpr
-    regions, plan = ctx.plan(jaxpr, region)
-    float32 = plan.float32
-    frame = _Frame(ctx.cache_enabled, ctx.substitutes)
-    frame.bind(jaxpr.constvars, closed.consts if consts is None else consts)
-    frame.bind(jaxpr.invars, args, constants, carries)
-    for i, eqn in enumerate(jaxpr.eqns):
-        rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
-        with jx.equation_context(eqn):
-            if rule is not None:
-                # A call on a float32 chain takes float32 inputs (see autocast_dataflow).
-                invals = [frame.read_cast(a, rules.FLOAT32) if i in float32
-                          and frame.operand(a).castable else frame.read(a) for a in eqn.invars]
-                outs = rule(eqn, invals, regions[i], ctx,
-                            [frame.constant(a) for a in eqn.invars])
-            elif jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
-                outs = _opaque(eqn, [frame.read(a) for a in eqn.invars])
-            else:
-                outs = _first_order(eqn, regions[i], frame, i in float32)
-        if plan.exits:
-            outs = [_leave_kernel(frame, plan.exits[v], o, regions[i]) if v in plan.exits
-                    else o for v, o in zip(eqn.outvars, outs, strict=True)]
-        frame.env.update(zip(eqn.outvars, outs, strict=True))
-    return [frame.read(v) for v in jaxpr.outvars]
+    autocast = Autocast(ctx)
+    return autocast.evaluate(closed, args, autocast.env_for(closed, region, constants, carries),
+                             consts)
 
 
-def _leave_kernel(frame: "_Frame", activations, value, region: Region):
+class _Evaluation(Env):
+    """One evaluation of one jaxpr under autocast: its environment (`values`), where its
+    equations sit (`regions`), what `autocast_dataflow` planned for it, the passes that keep
+    facts about its values, and its casts."""
+
+    def __init__(self, autocast: "Autocast", closed: jx.ClosedJaxpr, region: Region,
+                 constants: Sequence[np.generic | None] | None, carries: frozenset[int]):
+        super().__init__()
+        jaxpr = closed.jaxpr
+        self.regions, self.plan = autocast.ctx.plan(jaxpr, region)
+        self.facts = autocast_facts.Facts(lambda atom: autocast.read(self, atom))
+        self.casts = _Casts(lambda atom: autocast.read(self, atom), self.facts.constants,
+                            autocast.ctx.cache_enabled)
+        # Per argument: its magnitude if it is a constant of the program, and whether it is a
+        # loop body's carry (the consts are neither).
+        self.inputs = {var: (known, i in carries) for i, (var, known) in enumerate(
+            zip(jaxpr.invars, constants or [None] * len(jaxpr.invars), strict=True))}
+
+    @property
+    def eqn_region(self) -> Region:
+        """The region of the equation being evaluated."""
+        return self.regions[self.index]
+
+
+class Autocast(Interpreter):
+    """The autocast interpreter of one program (`ctx`): first-order equations go to `default`
+    (cast as `autocast_rules` decides), higher-order ones to their rule in `rules`."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def env_for(self, closed: jx.ClosedJaxpr, region: Region,
+                constants: Sequence[np.generic | None] | None = None,
+                carries: frozenset[int] = frozenset()) -> _Evaluation:
+        """The env of an evaluation of `closed` in `region` (see `eval_jaxpr`)."""
+        return _Evaluation(self, closed, region, constants, carries)
+
+    def read(self, env: Env, atom: Any) -> Any:
+        if isinstance(atom, jx.Literal):
+            substitute = self.ctx.substitutes.get(id(atom.val))
+            if substitute is not None:
+                return substitute
+            # An integer or bool literal is bound as the program holds it: as a numpy value
+            # it would be typed anew and lower differently (a gather's index).
+            if not dtypes.is_floating(atom.aval):
+                return atom.val
+        return super().read(env, atom)
+
+    def operands(self, env: _Evaluation, eqn: jx.JaxprEqn) -> list:
+        # A call on a float32 chain takes float32 inputs (see autocast_dataflow); first-order
+        # equations cast their own inputs (`_first_order`).
+        if eqn.primitive.name in self.rules and env.index in env.plan.float32:
+            return [env.casts.read(a, dtypes.FLOAT32) if _operand(self, env, a).castable
+                    else self.read(env, a) for a in eqn.invars]
+        return super().operands(env, eqn)
+
+    def write(self, env: _Evaluation, var: jx.Var, value: Any) -> None:
+        if env.index < 0:
+            env.facts.bind(var, value, *env.inputs.get(var, (None, False)))
+        elif var in env.plan.exits:
+            value = _leave_kernel(self, env, env.plan.exits[var], value)
+        env.values[var] = value
+
+    def default(self, env: _Evaluation, eqn: jx.JaxprEqn, invals: list) -> list:
+        if jx.bodies(eqn) and not jx.retypeable_scatter(eqn):
+            return _opaque(eqn, invals)
+        return _first_order(self, env, eqn)
+
+
+def _leave_kernel(autocast: Autocast, env: _Evaluation, activations, value):
     """A normalization's result, computed in float32, in the dtype of the activation it
     normalized, as the region reads it (see `autocast_dataflow.normalization_kernels` and
     `autocast_rules.entered`)."""
-    dtype = rules.widest(rules.entered(region, frame.read(a).dtype, np.dtype(a.aval.dtype))
-                         for a in activations)
-    return cast(value, dtype) if dtype in _BELOW_FP32 and value.dtype == rules.FLOAT32 else value
+    dtype = rules.widest(rules.entered(env.eqn_region, autocast.read(env, a).dtype,
+                                       np.dtype(a.aval.dtype)) for a in activations)
+    return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
+            else value)
 
 
-class _Frame:
-    """The values of one evaluation of one jaxpr, and what is known about them."""
+class _Casts:
+    """Values read in another dtype, each value cast to each dtype once per evaluation when
+    the cache is enabled (torch's weight cache)."""
 
-    def __init__(self, cache_enabled: bool, substitutes: dict):
-        self.env: dict = {}
-        self.cache_enabled = cache_enabled
-        self.substitutes = substitutes
-        self.casts: dict = {}
-        self.constants: dict = {}    # var -> largest finite magnitude, for program constants
-        self.scalar_like: set = set()  # rank-0 weak values and weak broadcasts of them
-        # Inputs of the jaxpr and values moved out of them, with the size and rank of the
-        # input they come from (a bias broadcast to a layer's output is smaller there).
-        self.weights: dict = {}
-        self.kernel: set = set()     # low values of a linear layer's kernel (see `_follower`)
-        self.carries: set = set()    # a loop body's carries: never scalar-like
+    def __init__(self, read: Callable[[Any], Any], constants: autocast_facts.Constants,
+                 enabled: bool):
+        self._read = read
+        self._constants = constants
+        self._enabled = enabled
+        self._cache: dict = {}
 
-    def bind(self, variables, values, constants=None, carries=frozenset()) -> None:
-        self.env.update(zip(variables, values, strict=True))
-        for i, (var, value, known) in enumerate(zip(
-                variables, values, constants or [None] * len(values), strict=True)):
-            if known is None:
-                known = _scalar_constant(value)
-            if known is not None:
-                self.constants[var] = known
-            self.weights[var] = dataflow.shape_key(var)
-            if i in carries:
-                self.carries.add(var)
-            elif _weak_scalar(var.aval) or _weak_scalar(jax.typeof(value)):
-                self.scalar_like.add(var)
-
-    def read(self, atom):
-        if isinstance(atom, jx.Literal):
-            substitute = self.substitutes.get(id(atom.val))
-            if substitute is not None:
-                return substitute
-            # As a numpy value of the literal's type, so casts of it stay literals.
-            return np.asarray(atom.val, dtype=atom.aval.dtype) if rules.is_floating(atom.aval) \
-                else atom.val
-        return self.env[atom]
-
-    def constant(self, atom) -> np.generic | None:
-        if isinstance(atom, jx.Literal):
-            return _scalar_constant(self.read(atom))
-        return self.constants.get(atom)
-
-    def follows(self, atom) -> bool:
-        """Python-scalar-like: a rank-0 literal (a jaxpr's literals have lost their weak type),
-        a weak-typed rank-0 value, a weak-typed broadcast of one (`jnp.where`'s scalar), or a
-        constant of the program (`jnp.tril`'s zeros: a literal broadcast)."""
-        if isinstance(atom, jx.Literal):
-            return np.ndim(atom.val) == 0
-        if atom in self.carries:
-            return False
-        return (atom in self.scalar_like or atom in self.constants or _weak_scalar(atom.aval)
-                or _weak_scalar(jax.typeof(self.env[atom])))
-
-    def read_cast(self, atom, dtype, saturating: bool = False):
-        value = self.read(atom)
+    def read(self, atom, dtype, saturating: bool = False):
+        """`atom`'s value in `dtype` (None: as it is); `saturating`: finite values beyond
+        `dtype`'s range become its largest finite ones, not infinities."""
+        value = self._read(atom)
         if dtype is None or value.dtype == dtype:
             return value
-        if not self.cache_enabled or isinstance(atom, jx.Literal):
+        if not self._enabled or isinstance(atom, jx.Literal):
             return self._cast(atom, value, dtype, saturating)
         key = (atom, dtype, saturating)
-        if key not in self.casts:
-            self.casts[key] = self._cast(atom, value, dtype, saturating)
-        return self.casts[key]
+        if key not in self._cache:
+            self._cache[key] = self._cast(atom, value, dtype, saturating)
+        return self._cache[key]
 
     def _cast(self, atom, value, dtype, saturating: bool):
         # The rules narrow a constant the low dtype cannot hold only where an op selects it;
         # it becomes its nearest finite value there, never infinity.
-        if saturating or rules.overflows(self.constant(atom), dtype):
+        if saturating or rules.overflows(self._constants.of(atom), dtype):
             return cast(saturate(value, dtype), dtype)
         return cast(value, dtype)
-
-    def operand(self, atom) -> rules.Operand:
-        if not rules.is_floating(atom.aval):
-            return rules.Operand(None, None)
-        return rules.Operand(self.read(atom).dtype, np.dtype(atom.aval.dtype),
-                             follows=self.follows(atom), constant=self.constant(atom))
-
-    def note(self, eqn, values: Sequence[Any], kernel: bool = False) -> list:
-        """Records what is known of a first-order equation's outputs (`values`, returned).
-        `kernel`: they are low values of a linear layer's kernel."""
-        name = eqn.primitive.name
-        outs = eqn.outvars
-        inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
-                  and rules.is_floating(a.aval)]
-        if kernel:
-            self.kernel.update(outs)
-        # Weights moved or concatenated are weights (flax's OptimizedLSTMCell concatenates
-        # its gates' kernels and biases).
-        if (name in primitives.MOVES or name in primitives.ASSEMBLES) and inputs and all(
-                a in self.weights for a in inputs):
-            origin = min(self.weights[a] for a in inputs)
-            self.weights.update((o, origin) for o in outs)
-        if name in primitives.MOVES:
-            # jnp converts a weak scalar to a strong one of its dtype before using it, and
-            # broadcasts it weak: both stay scalar-like (a strong array broadcast is not), as
-            # does an integer scalar converted (a count).
-            if self._all_follow(eqn) and all(
-                    not o.aval.shape or getattr(jax.typeof(v), "weak_type", False)
-                    for o, v in zip(outs, values, strict=True)):
-                self.scalar_like.update(outs)
-        elif (name in primitives.ELEMENTWISE and all(not o.aval.shape for o in outs)
-              and self._all_follow(eqn)):
-            # Scalar math on scalars (`jnp.log2`'s log(2), `jnp.var`'s n - ddof) is a Python
-            # scalar computed in the program.
-            self.scalar_like.update(outs)
-        known = _propagated_constant(name, [self.constant(a) for a in eqn.invars
-                                            if rules.is_floating(a.aval)])
-        if known is not None and len(outs) == 1 and rules.is_floating(outs[0].aval):
-            known = known.astype(outs[0].aval.dtype)
-            if np.isfinite(known):
-                self.constants[outs[0]] = known
-        return values
-
-    def _all_follow(self, eqn) -> bool:
-        return all(self.follows(a) for a in eqn.invars if rules.is_floating(a.aval))
-
-
-def _weak_scalar(aval) -> bool:
-    return (getattr(aval, "weak_type", False) and len(getattr(aval, "shape", ())) == 0
-            and rules.is_floating(aval))
-
-
-def _propagated_constant(name: str, operands: list) -> np.generic | None:
-    if (name not in primitives.CONSTANT_PRESERVING or not operands
-            or any(c is None for c in operands)):
-        return None
-    return max(operands, key=lambda c: float(c))
-
-
-def _scalar_constant(value) -> np.generic | None:
-    """The magnitude of a concrete rank-0 floating value, when it is finite."""
-    if jx.is_tracer(value) or np.ndim(value) != 0:
-        return None
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        return None
-    magnitude = np.abs(np.asarray(value))[()]
-    return magnitude if np.isfinite(magnitude) else None
 
 
 def saturate(value, dtype):
@@ -317,110 +255,84 @@ def saturate(value, dtype):
     return lax.select(lax.is_finite(value), lax.clamp(low, value, high), value)
 
 
-def _first_order(eqn, region: Region, frame: _Frame, float32: bool) -> list[Any]:
+def _operand(autocast: Autocast, env: _Evaluation, atom) -> rules.Operand:
+    """What the rules need to know of one input (see `autocast_rules.Operand`)."""
+    if not dtypes.is_floating(atom.aval):
+        return rules.Operand(None, None)
+    return rules.Operand(autocast.read(env, atom).dtype, np.dtype(atom.aval.dtype),
+                         follows=env.facts.scalar_likes.follows(atom),
+                         constant=env.facts.constants.of(atom))
+
+
+def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
+    """A first-order equation re-bound with its inputs cast as `autocast_rules` decides."""
     name = eqn.primitive.name
+    region = env.eqn_region
+    facts = env.facts
     if name == "convert_element_type":
         # An explicit cast in the program is honoured as written; one to the dtype a value
         # already has is dropped.
-        value = frame.read(eqn.invars[0])
+        value = autocast.read(env, eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        if value.dtype == np.dtype(new_dtype) and not weak_type:
-            return frame.note(eqn, [value])
-        return frame.note(eqn, jx.bind(eqn, eqn.params, [value]))
+        outs = ([value] if value.dtype == np.dtype(new_dtype) and not weak_type
+                else jx.bind(eqn, eqn.params, [value]))
+        facts.note(eqn, outs)
+        return outs
     if name == "optimization_barrier" and region.cast_inputs is not None:
-        values = [frame.read(a) for a in eqn.invars]
+        values = [autocast.read(env, a) for a in eqn.invars]
         targets = [region.cast_inputs if rules.is_castable(v.dtype) else None
                    for v in values]
         return jx.bind(eqn, eqn.params, [cast(v, t) if t is not None else v
                                          for v, t in zip(values, targets, strict=True)])
-    floating = [rules.is_floating(a.aval) for a in eqn.invars]
+    floating = [dtypes.is_floating(a.aval) for a in eqn.invars]
     if not any(floating):
-        return frame.note(eqn, jx.bind(eqn, eqn.params, [frame.read(a) for a in eqn.invars]))
-    operands = [frame.operand(a) for a in eqn.invars]
-    follower = _follower(eqn, frame)
+        outs = jx.bind(eqn, eqn.params, [autocast.read(env, a) for a in eqn.invars])
+        facts.note(eqn, outs)
+        return outs
+    operands = [_operand(autocast, env, a) for a in eqn.invars]
+    follower = facts.kernels.follower(eqn)
     if follower is not None:
         operands[follower] = dataclasses.replace(operands[follower], follows=True)
     wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
     scalar = dataflow.sums_to_scalar(eqn)
+    # An equation that computes operands of a float32 op runs in float32 (see
+    # autocast_dataflow).
     targets = rules.input_targets(
-        name, region, operands, float32=float32,
+        name, region, operands, float32=env.index in env.plan.float32,
         traced_only=jx.declares_result_types(eqn.params), wide_values=wide,
         scalar_result=scalar)
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway). A scale is cast plainly.
     bias = follower if name in primitives.ADDITIVE else None
-    invals = [frame.read_cast(a, t, saturating=i == bias)
+    invals = [env.casts.read(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
     # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
     # inputs (jnp.matmul of bfloat16 and float32) computes in their promotion, as traced.
     result = rules.widest(v.dtype for v, f in zip(invals, floating, strict=True) if f)
-    kernel = result in _BELOW_FP32 and (_is_linear_layer(eqn, region, frame) or (
-        name in _EPILOGUE and any(a in frame.kernel for a in eqn.invars
-                                  if not isinstance(a, jx.Literal))))
     # A result-dtype param (a matmul's preferred_element_type) that restates the traced
     # operands' promoted type follows the dtype the op now runs in: a lowered matmul of a
     # bfloat16 and a float32 input returns bfloat16, as torch's does.
     traced = rules.widest(o.traced for o in operands if o.traced is not None)
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
-    if result in _BELOW_FP32 and rules.accumulates_in_fp32(name, region, scalar):
-        invals = [cast(v, rules.FLOAT32) if f else v for v, f in zip(invals, floating, strict=True)]
-        params = jx.with_result_dtype(params, result, rules.FLOAT32)
-        outs = jx.bind(eqn, params, invals)
-        return frame.note(eqn, [cast(o, result) if rules.is_floating(o) else o for o in outs])
-    return frame.note(eqn, jx.bind(eqn, params, invals), kernel)
-
-
-def _is_linear_layer(eqn, region: Region, frame: _Frame) -> bool:
-    """torch's linear and conv: a LOWER matmul without batch dimensions, or a convolution,
-    whose right operand (the kernel) is a weight. Attention's batched score matmuls and
-    products of two activations are not: a bias added to those is an activation (a mask)
-    and promotes."""
-    if not region.enabled or region.table.rule(eqn.primitive.name) != LOWER:
-        return False
-    kernel = eqn.invars[1] if len(eqn.invars) > 1 else None
-    return (kernel is not None and not isinstance(kernel, jx.Literal)
-            and kernel in frame.weights and not jx.has_batch_dimensions(eqn))
-
-
-# What torch computes inside a linear layer's kernel after its matmul: pointwise math and moves.
-_EPILOGUE = primitives.ELEMENTWISE | primitives.MOVES
-
-
-# A full-size value added to a layer's result is a residual or a mask (torch adds those outside
-# the kernel, so they promote); only a bias is part of it. A value the result multiplies or
-# divides is a scale or a gated state, at any size. Other ops promote as usual.
-def _follower(eqn, frame: _Frame) -> int | None:
-    """The operand that follows a linear layer's low dtype in this op, or None.
-
-    torch's lower-precision kernels include pointwise work after their matmul: `linear`, conv
-    and `addmm` add a bias; RNN/GRU/LSTM cells add two, then gate their state with the
-    results. Here that work is separate ops on a kernel value (see `_Frame.kernel`); a weight
-    they combine it with follows its dtype: added, when it is smaller than the result (a
-    bias, broadcast); multiplied or divided, at any size (a scale, a cell state gated).
-    """
-    name = eqn.primitive.name
-    if name not in primitives.COMBINING:
-        return None
-    atoms = [a for a in eqn.invars if rules.is_floating(a.aval)]
-    if len(atoms) != 2 or any(isinstance(a, jx.Literal) for a in atoms):
-        return None
-    result = eqn.outvars[0]
-    for value, other in ((atoms[0], atoms[1]), (atoms[1], atoms[0])):
-        if value in frame.kernel and other not in frame.kernel and other in frame.weights and (
-                name not in primitives.ADDITIVE
-                or dataflow.was_broadcast(frame.weights[other], result)):
-            return eqn.invars.index(other)
-    return None
+    if result in dtypes.HALF_DTYPES and rules.accumulates_in_fp32(name, region, scalar):
+        invals = [cast(v, dtypes.FLOAT32) if f else v
+                  for v, f in zip(invals, floating, strict=True)]
+        params = jx.with_result_dtype(params, result, dtypes.FLOAT32)
+        outs = [cast(o, result) if dtypes.is_floating(o) else o
+                for o in jx.bind(eqn, params, invals)]
+        facts.note(eqn, outs)
+        return outs
+    facts.kernels.note(eqn, region, result)
+    outs = jx.bind(eqn, params, invals)
+    facts.note(eqn, outs)
+    return outs
 
 
 def _is_wide(aval) -> bool:
     dtype = getattr(aval, "dtype", None)
     return dtype is not None and (dtype == np.float64 or jnp.issubdtype(dtype,
                                                                          jnp.complexfloating))
-
-
-_BELOW_FP32 = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
 def _opaque(eqn, invals) -> list[Any]:
@@ -475,47 +387,68 @@ def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.C
     return ctx.jaxprs[key]
 
 
+def _eval_kept(closed, args, region, ctx) -> list[Any]:
+    return cast_to_avals(eval_jaxpr(closed, args, region, ctx), closed.out_avals)
+
+
+def _running(transformed: jx.ClosedJaxpr) -> Body:
+    """A body evaluator (`jamp.walker.control_flow`) that runs `transformed`, the body it is
+    given already transformed (a loop's, settled for its carries), in its place."""
+    return lambda closed, args: (jx.eval_closed(transformed, list(args)), {})
+
+
+def _kept_bodies(region: Region, ctx: Context) -> Body:
+    """A body evaluator that runs each body it is given transformed with its interface kept
+    (`interface_kept`)."""
+    return lambda closed, args: (jx.eval_closed(interface_kept(closed, region, ctx), list(args)),
+                                 {})
+
+
 # -- higher-order rules -----------------------------------------------------------------------
 
-def _jit_rule(eqn, invals, region, ctx, constants):
+def _constants(env: _Evaluation, eqn) -> list[np.generic | None]:
+    """The magnitude of each input of `eqn` that is a constant of the program (else None)."""
+    return [env.facts.constants.of(a) for a in eqn.invars]
+
+
+def _jit_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    # Re-bound with its body transformed once per program for these inputs (rather than
+    # traced again at each call): a function called many times (jnp's jitted helpers)
+    # lowers to one function.
     key = jx.call_body_key(eqn.params)
-    new = specialized(eqn.params[key], region, ctx, invals, constants)
+    new = specialized(eqn.params[key], env.eqn_region, autocast.ctx, invals,
+                      _constants(env, eqn))
     return jx.bind(eqn, dict(eqn.params, **{key: new}), invals)
 
 
-def _remat_rule(eqn, invals, region, ctx, constants):
-    body = jx.remat_body(eqn.params)
-    fn = jax.checkpoint(lambda *args: eval_jaxpr(body, args, region, ctx, constants),
-                        **jx.remat_options(eqn.params))
-    return list(fn(*invals))
+def _remat_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    constants = _constants(env, eqn)
+    body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region, constants))
+    return control_flow.remat(eqn, invals, body)[0]
 
 
-def _shard_map_rule(eqn, invals, region, ctx, constants):
-    body = jx.shard_map_body(eqn.params)
-    fn = jax.shard_map(lambda *args: tuple(eval_jaxpr(body, args, region, ctx, constants)),
-                       **jx.shard_map_options(eqn.params))
-    return list(fn(*invals))
+def _shard_map_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    constants = _constants(env, eqn)
+    body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region, constants))
+    return control_flow.shard_map(eqn, invals, body)[0]
 
 
-def _kept_rule(eqn, invals, region, ctx, constants):
-    """Loops and branches: their sub-jaxprs keep their interface."""
-    params = dict(eqn.params)
-    for key in jx.KEPT_BODY_PARAMS[eqn.primitive.name]:
-        value = params[key]
-        if isinstance(value, (tuple, list)):
-            params[key] = type(value)(interface_kept(v, region, ctx) for v in value)
-        else:
-            params[key] = interface_kept(value, region, ctx)
-    return jx.bind(eqn, params, _to_traced(eqn, invals))
+def _cond_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    """Branches keep their interface: they must agree on their outputs' types."""
+    invals = _to_traced(eqn, invals)
+    return control_flow.switch(eqn, invals[0], invals[1:],
+                               _kept_bodies(env.eqn_region, autocast.ctx))[0]
 
 
-def _scan_rule(eqn, invals, region, ctx, constants):
-    """A scan whose carries take the dtypes its body gives them (see `_settled`)."""
-    body, num_consts, num_carry, options = jx.scan_parts(eqn.params)
+def _scan_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    """A scan whose carries take the dtypes its body gives them (see `_settled`); one whose
+    carries do not settle keeps its interface."""
+    region, ctx = env.eqn_region, autocast.ctx
+    body, num_consts, num_carry, _ = jx.scan_parts(eqn.params)
     consts = invals[:num_consts]
     init = invals[num_consts:num_consts + num_carry]
     xs = invals[num_consts + num_carry:]
-    inner_constants = [*constants[:num_consts], *[None] * (len(invals) - num_consts)]
+    inner_constants = [*_constants(env, eqn)[:num_consts], *[None] * (len(invals) - num_consts)]
     fixed = [jax.typeof(v) for v in consts]
     x_avals = [jax.typeof(x).update(shape=x.shape[1:]) for x in xs]
     positions = range(num_consts, num_consts + num_carry)
@@ -525,20 +458,18 @@ def _scan_rule(eqn, invals, region, ctx, constants):
                                        inner_constants, frozenset(positions)),
         init, body.in_avals[num_consts:num_consts + num_carry], adding)
     if settled is None:
-        return _kept_rule(eqn, invals, region, ctx, constants)
+        return control_flow.scan(eqn, _to_traced(eqn, invals), _kept_bodies(region, ctx))[0]
     closed, carry_avals = settled
-
-    def step(carry, x):
-        outs = jx.eval_closed(closed, [*consts, *carry, *x])
-        return outs[:num_carry], outs[num_carry:]
-
-    carry, ys = jax.lax.scan(step, _as_carries(init, carry_avals), xs, **options)
-    return [*carry, *ys]
+    return control_flow.scan(eqn, [*consts, *_as_carries(init, carry_avals), *xs],
+                             _running(closed))[0]
 
 
-def _while_rule(eqn, invals, region, ctx, constants):
-    """A while loop whose carries take the dtypes its body gives them (see `_settled`); the
-    condition is transformed for the same dtypes."""
+def _while_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    """A while loop whose carries take the dtypes its body gives them (see `_settled`), its
+    condition transformed for the same dtypes; one whose carries do not settle keeps its
+    interface."""
+    region, ctx = env.eqn_region, autocast.ctx
+    constants = _constants(env, eqn)
     cond, body, cond_n, body_n = jx.while_parts(eqn.params)
     cond_consts, body_consts = invals[:cond_n], invals[cond_n:cond_n + body_n]
     init = invals[cond_n + body_n:]
@@ -551,16 +482,17 @@ def _while_rule(eqn, invals, region, ctx, constants):
                                        body_constants, frozenset(positions)),
         init, body.in_avals[body_n:], adding)
     if settled is None:
-        return _kept_rule(eqn, invals, region, ctx, constants)
+        kept = _kept_bodies(region, ctx)
+        return control_flow.while_loop(eqn, _to_traced(eqn, invals), kept,
+                                       lambda closed, args: kept(closed, args)[0][0])[0]
     body_closed, carry_avals = settled
     cond_closed = specialized_at(cond, region, ctx,
                                  [*map(jax.typeof, cond_consts), *carry_avals],
                                  [*constants[:cond_n], *[None] * len(init)],
                                  frozenset(range(cond_n, cond_n + len(init))))
-    return jax.lax.while_loop(
-        lambda carry: jx.eval_closed(cond_closed, [*cond_consts, *carry])[0],
-        lambda carry: jx.eval_closed(body_closed, [*body_consts, *carry]),
-        _as_carries(init, carry_avals))
+    return control_flow.while_loop(
+        eqn, [*cond_consts, *body_consts, *_as_carries(init, carry_avals)],
+        _running(body_closed), lambda closed, args: jx.eval_closed(cond_closed, args)[0])[0]
 
 
 def _settled(trace_body: Callable, init: Sequence[Any], traced: Sequence[Any],
@@ -601,26 +533,20 @@ def _as_carries(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
 _CARRY_ROUNDS = 3
 
 
-def _custom_jvp_rule(eqn, invals, region, ctx, constants):
+def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     # Specialized to the current dtypes, like jit: jax.nn.relu of a bfloat16 value stays
-    # bfloat16. The user's jvp rule is traced for the same dtypes and its outputs are cast to
-    # the primal body's, so primal and tangent types agree as JAX requires.
-    call = specialized(jx.custom_call_body(eqn.params), region, ctx, invals, constants)
-    primal_avals = [jax.typeof(v) for v in invals[jx.custom_call_num_consts(eqn.params):]]
-    out_avals = call.out_avals
+    # bfloat16. The user's jvp rule is evaluated for the same dtypes (the helper casts its
+    # outputs to the primal body's, so primal and tangent types agree as JAX requires).
+    region, ctx = env.eqn_region, autocast.ctx
+    primal = jx.custom_call_body(eqn.params)
+    call = specialized(primal, region, ctx, invals, _constants(env, eqn))
 
-    def transform(jvp_closed, zeros, out_zeros):
-        tangent_avals = [jx.tangent_aval(a) for a, z in zip(primal_avals, zeros, strict=True)
-                         if not z]
-        tangent_out_avals = [a for a, z in zip(out_avals, out_zeros, strict=True) if not z]
+    def body(closed, args):
+        if closed is primal:
+            return jx.eval_closed(call, list(args)), {}
+        return autocast.run(closed, args, autocast.env_for(closed, region))
 
-        def body(*args):
-            outs = eval_jaxpr(jvp_closed, args, region, ctx)
-            return cast_to_avals(outs, list(out_avals) + tangent_out_avals)
-
-        return jx.trace_closed(body, primal_avals + tangent_avals)
-
-    return jx.bind(eqn, jx.custom_jvp_params(eqn.params, call, transform), invals)
+    return control_flow.custom_jvp(eqn, invals, body)[0]
 
 
 class RetraceableCall:
@@ -641,15 +567,13 @@ class RetraceableCall:
         raise NotImplementedError
 
 
-def _custom_vjp_rule(eqn, invals, region, ctx, constants):
+def _custom_vjp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    region, ctx = env.eqn_region, autocast.ctx
     bwd = jx.custom_vjp_bwd(eqn.params)
     if isinstance(bwd, RetraceableCall):
-        return _retraceable_rule(eqn, bwd, invals, region, ctx, constants)
-    call = interface_kept(jx.custom_call_body(eqn.params), region, ctx)
-    params = jx.custom_vjp_params(eqn.params, call,
-                                  lambda cj: interface_kept(cj, region, ctx),
-                                  _bwd_in(region.off_as_is(), ctx))
-    return jx.bind(eqn, params, _to_traced(eqn, invals))
+        return _retraceable_rule(eqn, bwd, invals, region, ctx, _constants(env, eqn))
+    return control_flow.custom_vjp(eqn, invals, _kept_bodies(region, ctx),
+                                   _bwd_in(region.off_as_is(), ctx))[0]
 
 
 def _retraceable_rule(eqn, bwd: RetraceableCall, invals, region, ctx, constants):
@@ -732,23 +656,19 @@ def _bwd_in(bwd_region: Region, ctx: Context) -> Callable[[Callable], Callable]:
     return wrap_bwd
 
 
-def _eval_kept(closed, args, region, ctx) -> list[Any]:
-    return cast_to_avals(eval_jaxpr(closed, args, region, ctx), closed.out_avals)
-
-
-HIGHER_ORDER_RULES: dict[str, Callable] = {
+Autocast.rules = {
     **dict.fromkeys(jx.FUNCTION_CALLS, _jit_rule),
     "remat2": _remat_rule,
     "shard_map": _shard_map_rule,
     "scan": _scan_rule,
     "while": _while_rule,
-    "cond": _kept_rule,
+    "cond": _cond_rule,
     "custom_jvp_call": _custom_jvp_rule,
     "custom_vjp_call": _custom_vjp_rule,
 }
 
 
 __all__ = [
-    "cast", "cast_to_avals", "Context", "eval_jaxpr", "HIGHER_ORDER_RULES", "interface_kept",
-    "RetraceableCall", "saturate", "specialized", "specialized_at"
+    "Autocast", "Context", "RetraceableCall", "cast", "cast_to_avals", "eval_jaxpr", "interface_kept",
+    "saturate", "specialized", "specialized_at",
 ]
