@@ -270,4 +270,5 @@ class Facts:
         self.constants.note(eqn)
 
 
-__all__ = ["Constants", "Facts", "Kernels", "ScalarLikes", "Weights", "scalar_constant", "weak_scalar"]
+__all__ = ["Constants", "Facts", "Kernels", "ScalarLikes", "Weights", "scalar_constant",
+           "weak_scalar"]

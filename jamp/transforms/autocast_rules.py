@@ -265,7 +265,7 @@ def _promote(operands: Sequence[Operand], castable, saturate: bool) -> list[np.d
 
 
 __all__ = [
-    "accumulates_in_fp32", "apply_markers", "CASTABLE", "entered", "finite_range", "FLOAT32",
-    "input_targets", "is_castable", "is_floating", "marker", "MARKER_PREFIX", "Operand",
+    "accumulates_in_fp32", "apply_markers", "entered", "finite_range",
+    "input_targets", "is_castable", "marker", "MARKER_PREFIX", "Operand",
     "overflows", "parse_markers", "PINNED", "Region", "widest"
 ]

@@ -669,6 +669,6 @@ Autocast.rules = {
 
 
 __all__ = [
-    "Autocast", "Context", "RetraceableCall", "cast", "cast_to_avals", "eval_jaxpr", "interface_kept",
-    "saturate", "specialized", "specialized_at",
+    "Autocast", "Context", "RetraceableCall", "cast", "cast_to_avals", "eval_jaxpr",
+    "interface_kept", "saturate", "specialized", "specialized_at",
 ]
