@@ -9,7 +9,10 @@ from jax import lax
 import jamp
 from jamp import _jax_internals as jx
 from jamp.policy import primitives
+from jamp.autograd.anomaly_mode import _Evaluation
+from jamp.debug.shadow import Evaluator
 from jamp.policy.primitives import ROLES, VERSION_SPECIFIC, unknown_names
+from jamp.transforms.interpreter import Autocast
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
@@ -18,8 +21,10 @@ def test_every_name_of_the_table_is_a_primitive_of_this_jax(role):
     assert not unknown, f"{role} names {unknown}: no primitive of jax {jax.__version__}"
 
 
-def test_the_call_and_loop_primitives_are_primitives_of_this_jax():
-    assert unknown_names(sorted(jx.CALLS | set(jx.KEPT_BODY_PARAMS))) == []
+@pytest.mark.parametrize("interpreter", [Autocast, Evaluator, _Evaluation],
+                         ids=["autocast", "debugger", "anomaly"])
+def test_the_call_primitives_and_every_evaluator_rule_name_primitives_of_this_jax(interpreter):
+    assert unknown_names(sorted(jx.CALLS | set(interpreter.rules))) == []
 
 
 def test_the_check_names_what_is_no_primitive():
