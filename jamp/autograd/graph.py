@@ -195,7 +195,7 @@ def save_as(dtype) -> saved_tensors_hooks:
         target = jnp.dtype(dtype)
     except TypeError:
         target = None
-    if target is None or not jnp.issubdtype(target, jnp.floating):
+    if target is None or not is_floating(target):
         raise ValueError(f"save_as takes a floating dtype (jnp.bfloat16, jnp.float16, "
                          f"jnp.float8_e4m3fn, ...), got dtype={dtype!r}")
 

@@ -8,14 +8,13 @@ import functools
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_internals as jx
 from jamp._checks import check_positive, concrete_float
 from jamp.policy.autocast_tables import (
     autocast_table, canonical_device_type, check_autocast_dtype)
-from jamp.policy.dtypes import FLOAT32, is_floating
+from jamp.policy.dtypes import FLOAT32, is_floating, is_inexact
 from jamp.transforms import autocast
 from jamp.transforms import rules as precision_rules
 
@@ -99,7 +98,7 @@ def _check_differentiable(argnums: Any, positions: tuple[int, ...], args: tuple,
             if dtype is None:
                 dtype = np.result_type(leaf) if isinstance(leaf, (int, float, complex)) \
                     else None
-            if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            if dtype is None or not is_inexact(dtype):
                 where = f"argument {i}{jax.tree_util.keystr(path)}"
                 raise TypeError(
                     f"{caller}'s argnums={argnums!r} takes the gradient with respect to "

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jamp.policy.dtypes import FLOAT32, is_floating
@@ -21,7 +20,7 @@ def check_float32(where: str, dtype: Any) -> None:
       ValueError: a real floating `dtype` other than float32.
     """
     dtype = np.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype == FLOAT32:
+    if not is_floating(dtype) or dtype == FLOAT32:
         return
     if dtype == np.float64:
         hint = "Cast the model to float32 first."

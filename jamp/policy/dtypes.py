@@ -25,14 +25,16 @@ AUTOCAST_DTYPES: frozenset[np.dtype] = HALF_DTYPES | {FLOAT32}
 
 def dtype_of(x: Any) -> np.dtype | None:
     """The numpy dtype of anything that has one (an array, a tracer, an abstract value, a
-    `jax.ShapeDtypeStruct`, a numpy scalar); None for what has none a numpy dtype can name
-    (PRNG keys, tokens, Python objects).
+    `jax.ShapeDtypeStruct`, a numpy scalar, a dtype itself); None for what has none a numpy
+    dtype can name (PRNG keys, tokens, Python objects).
 
     >>> import jax.numpy as jnp
     >>> from jamp.policy.dtypes import dtype_of
     >>> dtype_of(jnp.ones(2, jnp.bfloat16)), dtype_of(object())
     (dtype(bfloat16), None)
     """
+    if isinstance(x, np.dtype):
+        return x
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return None

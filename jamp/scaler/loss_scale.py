@@ -42,7 +42,7 @@ from jamp._checks import (
     concrete_float,
     scalar_bool,
 )
-from jamp.policy.dtypes import is_inexact_array
+from jamp.policy.dtypes import is_floating, is_inexact_array
 from jamp.scaler.protocol import LossScale, loss_scale_dataclass
 
 T = TypeVar("T")
@@ -153,7 +153,7 @@ def _warn_if_not_floating(x: Any, name: str) -> None:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         dtype = np.asarray(x).dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not is_floating(dtype):
         warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
 
 
