@@ -22,7 +22,7 @@ import functools
 import inspect
 import os
 import types
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import jax
 from jax import lax
@@ -34,6 +34,8 @@ Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
+# An array's aval (public in jax.core): what a Var's aval, typed as its abstract base, is here.
+ShapedArray = jax.core.ShapedArray
 
 # Needed for equation source info (name stacks carry autocast regions) and for re-wrapping the
 # lazily traced derivative rules of custom_jvp/custom_vjp, which are `lu.WrappedFun`s.
@@ -94,8 +96,8 @@ def with_debug_info(flat_fn: Callable, fn: Callable, arg_names: Sequence[str],
     """Marks `flat_fn` (which traces `fn` on flattened inputs) so that errors raised while
     tracing it name `fn`, its source line and the user's argument paths, as `jax.jit`'s do.
     jax reads the `__fun_debug_info__` attribute that its own wrappers set."""
-    flat_fn.__fun_debug_info__ = jex_core.DebugInfo(traced_for, _function_location(fn),
-                                                    tuple(arg_names), None)
+    info = jex_core.DebugInfo(traced_for, _function_location(fn), tuple(arg_names), None)
+    flat_fn.__fun_debug_info__ = info  # type: ignore[attr-defined]  # jax's mark, on purpose
     return flat_fn
 
 
@@ -145,10 +147,13 @@ def bind(eqn: JaxprEqn, params: dict, invals: Sequence[Any]) -> list[Any]:
     A scatter (see `retypeable_scatter`) whose operand changed dtype is bound through lax's
     function, which types its update computation for the new dtype."""
     prim = eqn.primitive
-    if (prim.name in _SCATTER_FUNCTIONS and invals[0].dtype != eqn.invars[0].aval.dtype
+    if (prim.name in _SCATTER_FUNCTIONS
+            and invals[0].dtype != cast(ShapedArray, eqn.invars[0].aval).dtype
             and retypeable_scatter(eqn)):
+        operand, indices, updates = invals
         return [_SCATTER_FUNCTIONS[prim.name](
-            *invals, params["dimension_numbers"], indices_are_sorted=params["indices_are_sorted"],
+            operand, indices, updates, params["dimension_numbers"],
+            indices_are_sorted=params["indices_are_sorted"],
             unique_indices=params["unique_indices"], mode=params["mode"])]
     out = prim.bind(*invals, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]

@@ -296,14 +296,14 @@ def _leave_with(error: BaseException) -> FloatingPointAnomalyError | None:
         return None
     anomaly = FloatingPointAnomalyError(*error.args)
     anomaly.__notes__ = list(getattr(error, "__notes__", []))
-    anomaly._jamp_anomaly_noted = True
+    anomaly._jamp_anomaly_noted = True  # type: ignore[attr-defined]  # a mark, on purpose
     return anomaly.with_traceback(error.__traceback__)
 
 
 def _add_note(error: BaseException, note: str) -> None:
     # Python 3.11's add_note; on 3.10 the note is kept, not printed.
     error.__notes__ = [*getattr(error, "__notes__", []), note]
-    error._jamp_anomaly_noted = True
+    error._jamp_anomaly_noted = True  # type: ignore[attr-defined]  # a mark, on purpose
 
 
 def anomaly_checked(fn: Callable) -> Callable:

@@ -226,7 +226,7 @@ class _Call:
     """The arguments of one `apply`: which are inputs, and how to rebuild them from the flat
     arrays the custom_vjp / custom_jvp takes."""
 
-    def __init__(self, cls: type, args: tuple):
+    def __init__(self, cls: type[Function], args: tuple):
         self.cls = cls
         self.name = cls.__name__
         self.args = args
@@ -316,7 +316,7 @@ def _fit(g, aval, what: str):
     return g.astype(aval.dtype) if g.dtype != aval.dtype else g
 
 
-def _input_names(cls: type, n: int) -> tuple[str, ...]:
+def _input_names(cls: type[Function], n: int) -> tuple[str, ...]:
     """The names of forward's parameters for `n` arguments (`args[k]` past a `*args`)."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())
@@ -324,7 +324,7 @@ def _input_names(cls: type, n: int) -> tuple[str, ...]:
         params = []
     if not _uses_setup_context(cls):
         params = params[1:]  # ctx
-    names = []
+    names: list[str] = []
     for p in params:
         if p.kind == p.VAR_POSITIONAL:
             names += [f"{p.name}[{k}]" for k in range(n - len(names))]
@@ -335,11 +335,11 @@ def _input_names(cls: type, n: int) -> tuple[str, ...]:
     return tuple(names[:n])
 
 
-def _uses_setup_context(cls: type) -> bool:
+def _uses_setup_context(cls: type[Function]) -> bool:
     return cls.setup_context is not Function.setup_context
 
 
-def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
+def _bind(cls: type[Function], args: tuple, kwargs: dict) -> tuple:
     """Keyword arguments bound to forward's positional parameters, defaults filled (torch
     binds them so for `setup_context` Functions)."""
     if not kwargs:
@@ -357,7 +357,7 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
     return bound.args
 
 
-def _forward(cls: type, ctx: FunctionCtx, args: tuple):
+def _forward(cls: type[Function], ctx: FunctionCtx, args: tuple):
     if _uses_setup_context(cls):
         output = cls.forward(*args)
         cls.setup_context(ctx, args, output)
@@ -391,11 +391,11 @@ class _Outputs:
         return items if self.is_tuple else items[0]
 
 
-def _overrides(cls: type, name: str, base_attr: str | None = None) -> bool:
+def _overrides(cls: type[Function], name: str, base_attr: str | None = None) -> bool:
     return getattr(cls, name) is not getattr(Function, base_attr or name)
 
 
-def _backward_method(cls: type) -> Callable | None:
+def _backward_method(cls: type[Function]) -> Callable | None:
     backward, vjp = _overrides(cls, "backward"), _overrides(cls, "vjp", "backward")
     if backward and vjp:
         raise RuntimeError(f"{cls.__name__} defines both backward and vjp (two names for the "
@@ -515,7 +515,7 @@ def _output_tangents(name: str, result, outputs: _Outputs, ctx: FunctionCtx) -> 
                            f"{_plural(n, 'output')}: it must return one per output of forward, "
                            "None for those without a tangent.")
     non_diff = iter(outputs.non_differentiable(ctx))
-    out = []
+    out: list[SymbolicZero | jax.Array] = []
     for k, (t, o, a) in enumerate(zip(result, outputs.items, outputs.is_array)):
         if not a:
             if t is not None:

@@ -269,7 +269,7 @@ def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
         return cast_outputs(out, outputs_dtype)
 
     # How a second initialize knows the function is one it returned (see _check_flax_apply).
-    amp_apply.amp_properties = props
+    amp_apply.amp_properties = props  # type: ignore[attr-defined]  # a mark, set on purpose
     return amp_apply
 
 

@@ -359,7 +359,7 @@ def _swap_class(node, cls) -> None:
 _CLASSES: dict[tuple, type] = {}
 
 
-def _subclass(base: type, key: tuple, namespace: Callable[[], dict]) -> type:
+def _subclass(base: type[nnx.Pytree], key: tuple, namespace: Callable[[], dict]) -> type:
     """jamp's subclass of `base` with the methods `namespace()` gives, made by
     `key[0](base, *key[1:])` (cached, so a class is made once and graph definitions of models
     set up alike compare equal). Same name and module as `base`; `pytree` as `base` was
@@ -386,7 +386,7 @@ def _new_instance(make: Callable, args: tuple):
     return object.__new__(make(*args))
 
 
-def _half_output_class(base: type, dtype: np.dtype) -> type:
+def _half_output_class(base: type[nnx.Pytree], dtype: np.dtype) -> type:
     """A batch norm whose floating outputs go back to `dtype` (Apex's float32 batch norm on
     half inputs returns half)."""
 
@@ -397,7 +397,7 @@ def _half_output_class(base: type, dtype: np.dtype) -> type:
                      lambda: {"__call__": __call__, "_jamp_output_dtype": dtype})
 
 
-def _amp_class(base: type, settings: _Settings) -> type:
+def _amp_class(base: type[nnx.Pytree], settings: _Settings) -> type:
     def namespace():
         def call_base(module, *args, **kwargs):
             return base.__call__(module, *args, **kwargs)
@@ -465,7 +465,7 @@ def _amp_nnx_optimizer(optimizer, model, props, options: InitializeOptions, allo
         _swap_class(optimizer, _multi_loss_class(type(optimizer), num_losses))
 
 
-def _multi_loss_class(base: type, num_losses: int) -> type:
+def _multi_loss_class(base: type[nnx.Pytree], num_losses: int) -> type:
     """An optimizer whose `update(model, grads)` takes K grad states, one per loss (None for a
     loss that reaches none of the params), as `loss_scaled(num_losses=K)` does."""
 

@@ -130,7 +130,7 @@ def _check_optimizer_params(params, opt_level, allowed, returned_params) -> None
     """Refuses params that are not those `initialize` returned (the float32 originals given
     to an O2 optimizer, say): leaf by leaf against a returned model of the same structure,
     else against the dtypes the level allows."""
-    structure = jax.tree_util.tree_structure(params)
+    structure: Any = jax.tree_util.tree_structure(params)  # a PyTreeDef: jaxlib has no stubs
     like = [r for r in returned_params if jax.tree_util.tree_structure(r) == structure]
     expected = (jax.tree_util.tree_leaves(like[0]) if like
                 else [None] * structure.num_leaves)

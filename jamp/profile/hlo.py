@@ -280,9 +280,8 @@ class _StackFrames:
         match = re.search(r"^" + title + r"\n((?:.+\n)*)", text, re.M)
         if not match:
             return {}
-        return {int(k) if k.isdigit() else k: v
-                for k, v in (re.match(row, line).groups() for line in match.group(1).splitlines()
-                             if re.match(row, line))}
+        rows = (re.match(row, line) for line in match.group(1).splitlines())
+        return {int(k) if k.isdigit() else k: v for k, v in (m.groups() for m in rows if m)}
 
     def _location(self, frame: int) -> str | None:
         location = self.locations.get(self.frame_location.get(frame, 0))

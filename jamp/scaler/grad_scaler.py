@@ -341,14 +341,13 @@ class GradScaler:
         if missing:
             raise StateDictKeyError(f"GradScaler state dict lacks {missing}; expected "
                                     f"{list(_STATE_DICT_KEYS)}, got {sorted(state_dict)}.")
-        scale = concrete_float(state_dict["scale"])
         check_positive("scale", state_dict["scale"])
         check_growth_factor("growth_factor", state_dict["growth_factor"])
         check_backoff_factor("backoff_factor", state_dict["backoff_factor"])
         interval = check_interval("growth_interval", state_dict["growth_interval"])
         # Any count torch can hold loads, even one past a since lowered growth_interval.
         tracker = check_count("_growth_tracker", state_dict["_growth_tracker"], minimum=0)
-        self._init_scale = scale
+        self._init_scale = float(state_dict["scale"])
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = interval

@@ -239,7 +239,7 @@ class AutocastRegion:
                 return program.run(call)
 
         # What it is, for tools that take a function not yet transformed (`jamp.debug`).
-        transformed.__jamp_autocast__ = repr(self)
+        transformed.__jamp_autocast__ = repr(self)  # type: ignore[attr-defined]  # marks it
         return transformed
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TypeGuard, cast
 
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
@@ -345,7 +345,8 @@ def sums_to_scalar(eqn) -> bool:
     """A reduction of arrays to one number: a loss's final mean, a trace, a dot product."""
     return (eqn.primitive.name in SUMS | DOT_PRODUCTS
             and all(not v.aval.shape for v in eqn.outvars)
-            and any(_castable(v) and v.aval.shape for v in eqn.invars if _is_var(v)))
+            and any(_castable(v) and cast(jx.ShapedArray, v.aval).shape
+                    for v in eqn.invars if _is_var(v)))
 
 
 def _statistics(jaxpr: jx.Jaxpr) -> frozenset:
@@ -358,7 +359,7 @@ def _statistics(jaxpr: jx.Jaxpr) -> frozenset:
         # Scalars (a count, `ddof`) may join a statistic: `jnp.var` divides by `n - ddof`.
         if name in REDUCTIONS or (
                 name in (CHAIN | CALLS) and any(v in reduced for v in inputs)
-                and all(v in reduced or not v.aval.shape for v in inputs)):
+                and all(v in reduced or not cast(jx.ShapedArray, v.aval).shape for v in inputs)):
             reduced.update(eqn.outvars)
         elif name in CALLS:  # jnp.var and jnp.mean are jits
             body = jx.call_body(eqn).jaxpr
@@ -368,7 +369,7 @@ def _statistics(jaxpr: jx.Jaxpr) -> frozenset:
     return frozenset(reduced)
 
 
-def _is_var(atom) -> bool:
+def _is_var(atom) -> TypeGuard[jx.Var]:
     return not isinstance(atom, jx.Literal)
 
 

@@ -190,7 +190,8 @@ def _function_reach(fn) -> list[tuple[str, Any]]:
                 found.append((attr, value))
         if not found:  # a callable object: the object and its __call__
             found.append(("self", fn))
-            call = getattr(type(fn), "__call__", None)
+            # The class's own __call__ (a function), not a test of callability.
+            call = getattr(type(fn), "__call__", None)  # noqa: B004
             if inspect.isfunction(call):
                 found.append(("__call__", call))
         return found
@@ -263,12 +264,13 @@ class Call:
         state = nnx_state.State.of(reach.roots)
         state_leaves, state_tree = jax.tree_util.tree_flatten(state.values())
         state_traced = [i for i, x in enumerate(state_leaves) if is_array(x)]
-        key = (in_tree, tuple(reach.key), state_tree, state.structure(),
-               tuple(_aval_key(leaves[i]) for i in traced),
-               tuple(_aval_key(x) if is_array(x) else _static_key(x) for x in state_leaves),
-               tuple(_aval_key(a) for a in reach.arrays),
-               tuple((a.shape, a.dtype) for a in reach.numpy),
-               jx.trace_context())
+        key: tuple | None = (
+            in_tree, tuple(reach.key), state_tree, state.structure(),
+            tuple(_aval_key(leaves[i]) for i in traced),
+            tuple(_aval_key(x) if is_array(x) else _static_key(x) for x in state_leaves),
+            tuple(_aval_key(a) for a in reach.arrays),
+            tuple((a.shape, a.dtype) for a in reach.numpy),
+            jx.trace_context())
         try:
             hash(key)
         except TypeError:  # a module's static attribute or a state value that cannot be hashed

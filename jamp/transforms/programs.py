@@ -364,9 +364,7 @@ def _guards(call: boundary.Call) -> list[Callable[[boundary.Call], bool]]:
     for k, array in enumerate(call.reach.numpy):
         guards.append(_same_object(lambda c, k=k: c.reach.numpy[k], array))
         if array.size <= boundary.NUMPY_CONTENT_CHECK:
-            copy = np.array(array)
-            guards.append(lambda c, k=k, copy=copy: np.array_equal(
-                c.reach.numpy[k], copy, equal_nan=copy.dtype.kind in "fc"))
+            guards.append(_same_values(lambda c, k=k: c.reach.numpy[k], np.array(array)))
     return guards
 
 
@@ -378,6 +376,11 @@ def _same_object(get: Callable, obj: Any) -> Callable[[boundary.Call], bool]:
     except TypeError:
         return lambda call: get(call) is obj
     return lambda call: get(call) is ref()
+
+
+def _same_values(get: Callable, copy: np.ndarray) -> Callable[[boundary.Call], bool]:
+    # NaNs where the traced call's array had them count as the same values.
+    return lambda call: np.array_equal(get(call), copy, equal_nan=copy.dtype.kind in "fc")
 
 
 class _LRU:
@@ -425,8 +428,10 @@ def _cache_owner(fn):
         fn = fn.func
     if inspect.ismethod(fn):
         return fn.__func__
-    if not inspect.isfunction(fn) and inspect.isfunction(getattr(type(fn), "__call__", None)):
-        return type(fn).__call__
+    # The class's own __call__ (a function), not a test of callability.
+    call = getattr(type(fn), "__call__", None)  # noqa: B004
+    if not inspect.isfunction(fn) and inspect.isfunction(call):
+        return call
     return fn
 
 
