@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +100,7 @@ def apply_markers(region: Region, markers) -> Region:
         if "restore" in fields:
             region = region.forward or region
             continue
-        changes = {}
+        changes: dict[str, Any] = {}
         if "device" in fields:
             changes["table"] = autocast_table(fields["device"])
             changes["dtype"] = changes["table"].default_dtype
@@ -124,7 +124,8 @@ def is_castable(dtype) -> bool:
     return dtype is not None and dtype in AUTOCAST_DTYPES
 
 
-def widest(dtypes) -> np.dtype:
+def widest(dtypes: Iterable[Any]) -> Any:
+    """The promotion of `dtypes` (None when there are none)."""
     result = None
     for d in dtypes:
         result = d if result is None else np.dtype(jnp.promote_types(result, d))
@@ -174,7 +175,9 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     castable = [o.castable for o in operands]
     traced = [o.traced for o in operands]
     if region.enabled and region.entry_dtype is not None:
-        operands = [dataclasses.replace(o, current=entered(region, o.current, o.traced))
+        # A castable operand has both dtypes.
+        operands = [dataclasses.replace(o, current=entered(
+                        region, cast(np.dtype, o.current), cast(np.dtype, o.traced)))
                     if ok else o for o, ok in zip(operands, castable, strict=True)]
     if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
@@ -218,7 +221,8 @@ def overflows(constant: np.generic | None, dtype: np.dtype) -> bool:
 def finite_range(dtype: np.dtype) -> tuple[np.generic, np.generic]:
     """The smallest and largest finite values of a floating dtype (where constants saturate)."""
     info = jnp.finfo(dtype)
-    return np.asarray(info.min, dtype)[()], np.asarray(info.max, dtype)[()]
+    scalar = np.dtype(dtype).type
+    return scalar(info.min), scalar(info.max)
 
 
 def _fixed_dtype(primitive_name: str, region: Region, scalar_result: bool = False
