@@ -19,6 +19,7 @@ from jamp.scaler import (
     DynamicScale,
     DynamicScaleResult,
     GradScaler,
+    LossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
@@ -49,7 +50,7 @@ __all__ = [
     "all_finite", "autocast", "autograd", "cast_to_full", "cast_to_half", "checkpoint_from_bytes",
     "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "debug", "DynamicLossScale", "DynamicScale",
     "DynamicScaleResult", "frontend", "get_loss_scale", "get_policy", "GradScaler", "half_dtype",
-    "initialize", "load_state_dict", "loss_scaled", "master_params", "master_weights",
+    "initialize", "load_state_dict", "LossScale", "loss_scaled", "master_params", "master_weights",
     "MasterWeightsState", "NoOpLossScale", "Policy", "policy", "profile", "Properties",
     "properties", "restore_checkpoint", "save_checkpoint", "scale_loss", "scaled_value_and_grad",
     "scaler", "select_tree", "state_dict", "StaticLossScale", "transforms"

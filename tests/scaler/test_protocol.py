@@ -238,3 +238,10 @@ def test_a_subclass_that_adds_a_setting_compares_and_crosses_jit_with_it():
     assert ls == Labelled(np.float32(8.0)) and ls != Labelled(np.float32(8.0), "b")
     out = jax.jit(lambda s: s)(ls)
     assert out.label == "a" and out.loss_scale is ls.loss_scale
+
+
+def test_every_name_jmp_exports_is_exported_by_jamp_and_its_modules():
+    for name in jmp.__all__:
+        module = jamp.policy if hasattr(jamp.policy, name) else jamp.scaler
+        assert getattr(jamp, name) is getattr(module, name), name
+        assert name in jamp.__all__ and name in module.__all__, name
