@@ -16,7 +16,8 @@ Bodies are walked, each equation of them a site of its own:
 
 - calls (`jit`, `closed_call`, `remat`, `custom_jvp_call`, `custom_vjp_call`) are inlined: only
   their values are needed here, and the program is never differentiated again, so a custom
-  derivative rule (which only differentiation reads) changes nothing;
+  derivative rule (which only differentiation reads) changes nothing.
+
 Loops and branches are rebuilt around their bodies by `jamp.walker.control_flow`:
 
 - `scan`: the body runs in a `lax.scan` that carries both runs; its probes come out per
