@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
+
+from jamp.walker.walk import equations
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
@@ -84,11 +85,8 @@ def compiles_during(fn) -> int:
 
 def jaxpr_equations(jaxpr) -> Iterator:
     """Every equation of a (closed) jaxpr and of the jaxprs in its equations' params, each
-    equation before those nested in it."""
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        yield eqn
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            yield from jaxpr_equations(sub)
+    equation before those nested in it: the walk jamp's analyses use."""
+    return equations(jaxpr)
 
 
 def jaxpr_eqns(jaxpr, name: str) -> list:

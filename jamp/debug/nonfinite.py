@@ -30,6 +30,13 @@ class _Codes(shadow.Probe):
     def combine(self, a, b):
         return (a[0] | b[0],)
 
+    def over_while(self, so_far, new):
+        # The codes of the first iteration that made a non-finite value, as anomaly mode
+        # keeps them: in later ones it spreads to equations that only read it.
+        kept = nonfinite.keep_first({k: v[0] for k, v in so_far.items()},
+                                    {k: v[0] for k, v in new.items()})
+        return {k: (code,) for k, code in kept.items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class NonFinite:

@@ -16,14 +16,15 @@ Bodies are walked, each equation of them a site of its own:
 
 - calls (`jit`, `closed_call`, `remat`, `custom_jvp_call`, `custom_vjp_call`) are inlined: only
   their values are needed here, and the program is never differentiated again, so a custom
-  derivative rule (which only differentiation reads) changes nothing;
+  derivative rule (which only differentiation reads) changes nothing.
+
 Loops and branches are rebuilt around their bodies by `jamp.walker.control_flow`:
 
 - `scan`: the body runs in a `lax.scan` that carries both runs; its probes come out per
   iteration and are combined over iterations (maxima, sums) or kept per iteration
   (`Probe.per_iteration`);
-- `while`: both runs are carried; probes are combined in the carry; the loop stops when the
-  low run's condition says so;
+- `while`: both runs are carried; probes are combined in the carry (`Probe.over_while`); the
+  loop stops when the low run's condition says so;
 - `cond`: the branch the low run takes runs in both; the other branches' probes read as
   neutral.
 
@@ -98,6 +99,11 @@ class Probe:
     def over_iterations(self, stacked: tuple) -> tuple:
         """One site's probes of every iteration of a scan (a leading axis) as one."""
         raise NotImplementedError
+
+    def over_while(self, so_far: dict, new: dict) -> dict:
+        """A while body's probes by group after one more iteration (`new`); by default each
+        group's `combine`d with those so far."""
+        return {k: self.combine(so_far[k], new[k]) for k in so_far}
 
 
 @dataclasses.dataclass
@@ -204,7 +210,7 @@ class Evaluator(Interpreter[_Level]):
         outs, probes = control_flow.while_loop(
             eqn, invals, self._inner(env, eqn),
             lambda closed, args: jx.eval_closed(closed, [low for low, _ in args])[0],
-            combine=lambda a, b: {k: self.probe.combine(a[k], b[k]) for k in a})
+            combine=self.probe.over_while)
         env.extras.update(probes)
         return outs
 

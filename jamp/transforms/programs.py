@@ -178,9 +178,9 @@ class Trace:
         arrays = {id(a): k for k, a in enumerate(call.reach.arrays)}
         traced = _Fingerprint(arrays, with_code=region.scope is not None).closed(self.jaxpr)
         tree, sources = self.result
-        writes = tuple((index, value_tree, tuple(sources))
+        writes = tuple((index, value_tree, _typed_sources(sources))
                        for index, value_tree, sources in self.writes)
-        key = (call.key, traced, tree, tuple(sources), writes)
+        key = (call.key, traced, tree, _typed_sources(sources), writes)
         try:
             hash(key)
         except TypeError:  # a Python value handed back or left in the state that cannot be hashed
@@ -347,14 +347,26 @@ class _Fingerprint:
                 return _Identity(x)
             return (type(x), x.dtype, x.shape, getattr(x, "weak_type", None),
                     getattr(x, "sharding", None), data)
-        if isinstance(x, (float, complex, np.inexact)):
-            # By its bits: a NaN equals itself, and 0.0 is not -0.0.
-            return type(x), np.asarray(x).tobytes()
         try:
             hash(x)
         except TypeError:
             return _Identity(x)
-        return type(x), x  # 1 == 1.0 == True must not share a program
+        return _typed(x)
+
+
+def _typed(x) -> tuple:
+    """A hashable Python value as a key that tells apart what `==` does not: 1, 1.0 and True
+    must not share a program, nor 0.0 and -0.0; floats go by their bits, so a NaN equals
+    itself."""
+    if isinstance(x, (float, complex, np.inexact)):
+        return type(x), np.asarray(x).tobytes()
+    return type(x), x
+
+
+def _typed_sources(sources) -> tuple:
+    """`Source`s as a key: the Python values handed back by `_typed` (a cached program hands
+    back the values of the trace that built it)."""
+    return tuple(("value", _typed(s[1])) if s[0] == "value" else s for s in sources)
 
 
 def _guards(call: boundary.Call) -> list[Callable[[boundary.Call], bool]]:

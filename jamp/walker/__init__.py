@@ -6,9 +6,10 @@
 - `control_flow`: the higher-order helpers that evaluate a body under an interpreter's rules and
   rebuild the same control flow around it (scan, while, cond, remat, custom_jvp/custom_vjp,
   shard_map, jit).
-- `walk`: analyses read a program without running it (the AMP tally, anomaly's dependence,
-  autocast's dataflow plans): one walk that yields each equation with the equations around it
-  and how many times it runs.
+- `walk`: analyses read a program without running it (the AMP tally, `primitive_names`,
+  `jamp.autograd.dependence`'s `contains`): one walk that yields each equation with the
+  equations around it and how many times it runs. Passes that follow values through bodies
+  (autocast's dataflow plans, dependence's flow) keep their own loops over values.
 """
 
 __all__: list[str] = []

@@ -52,8 +52,10 @@ def first_iteration(codes: dict, reverse: bool = False) -> dict:
 
 def keep_first(old: dict, new: dict) -> dict:
     """A while loop's codes after one more iteration (`new`): those so far if they name a
-    non-finite value, else the iteration's."""
-    seen = _any(old)
+    non-finite value, else the iteration's. A key's codes may have any shape (one site's, or
+    a group of sites')."""
+    seen = functools.reduce(jnp.logical_or, (jnp.any(c != 0) for c in old.values()),
+                            jnp.zeros((), bool))
     return {k: jnp.where(seen, old[k], new[k]) for k in old}
 
 

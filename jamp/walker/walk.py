@@ -1,5 +1,5 @@
 """The one walk over a program for the analyses that read it without running it: the AMP
-report's tally, `primitive_names`, anomaly's dependence.
+report's tally, `primitive_names`, `jamp.autograd.dependence`'s `contains`.
 
 `walk(jaxpr)` yields every equation, those of the bodies nested in it included, each with the
 equations around it (`Site.path`) and how many times it runs per run of the program

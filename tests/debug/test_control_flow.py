@@ -45,6 +45,20 @@ def test_while_body():
     assert dots and dots[0].max_abs == 1000.0 * 4 ** 5 and dots[0].kind == "overflow"
 
 
+
+def test_while_body_the_equation_that_made_the_nan_not_one_it_spread_to():
+    # Iteration 0: `log` makes a NaN; iteration 1: `sin` reads it from the carry. `sin` comes
+    # first in the body, yet it only passed the NaN on (anomaly mode names `log` too).
+    def f(x):
+        def body(carry):
+            i, c = carry
+            a = jnp.sin(c)
+            return i + 1, jnp.where(i == 0, jnp.log(a - 2.0), a)
+        return lax.while_loop(lambda carry: carry[0] < 3, body, (0, x))[1]
+
+    found = first_nonfinite(f, jnp.ones(3), **F16)
+    assert found.primitive == "log" and found.value == "nan"
+
 @pytest.mark.parametrize("hot", [True, False])
 def test_cond_branch_taken(hot):
     def f(w, x, hot):

@@ -189,14 +189,14 @@ def test_state_dict_round_trips_with_apex_rules(tmp_path):
     restored = flax.serialization.from_bytes(
         {"params": params, "opt_state": tx.init(params)}, flax.serialization.to_bytes(state))
     assert jamp.state_dict(restored["opt_state"]) == saved
-    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
+    chex.assert_trees_all_equal(restored, state)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", state)
         ckpt.wait_until_finished()
         back = ckpt.restore(tmp_path / "ckpt", jax.tree_util.tree_map(
             ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": tx.init(params)}))
     assert jamp.master_params(back["opt_state"])["Conv_0"]["kernel"].dtype == F32
-    jax.tree_util.tree_map(np.testing.assert_array_equal, back, state)
+    chex.assert_trees_all_equal(back, state)
 
 
 class Batch:
@@ -470,14 +470,14 @@ def test_multisteps_accumulates_unscaled_grads_and_a_skipped_micro_step_leaves_i
         updates, opt_state = update(scaled, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if i == 1:
-            jax.tree_util.tree_map(np.testing.assert_array_equal, opt_state.inner_state,
-                                   before.inner_state)  # accumulator and mini_step untouched
+            chex.assert_trees_all_equal(opt_state.inner_state,
+                                        before.inner_state)  # accumulator and mini_step untouched
             assert float(jamp.get_loss_scale(opt_state).loss_scale) == 2.0**15
         else:
             ref_updates, reference_state = reference.update(g, reference_state,
                                                             reference_params)
             reference_params = optax.apply_updates(reference_params, ref_updates)
-            jax.tree_util.tree_map(np.testing.assert_array_equal, new_params, reference_params)
+            chex.assert_trees_all_equal(new_params, reference_params)
         applied.append(not np.array_equal(new_params["kernel"], params["kernel"]))
         params = new_params
     # One update per `every` finite micro-steps: after micro-steps 0, 2, 3 and 4, 5, 6.

@@ -9,10 +9,12 @@ from jax import lax
 import jamp
 from jamp import _jax_internals as jx
 from jamp.policy import primitives
+from jamp.autograd import dependence
 from jamp.autograd.anomaly_mode import _Evaluation
 from jamp.debug.shadow import Evaluator
 from jamp.policy.primitives import ROLES, VERSION_SPECIFIC, unknown_names
 from jamp.transforms.interpreter import Autocast
+from jamp.walker import walk
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
@@ -25,6 +27,10 @@ def test_every_name_of_the_table_is_a_primitive_of_this_jax(role):
                          ids=["autocast", "debugger", "anomaly"])
 def test_the_call_primitives_and_every_evaluator_rule_name_primitives_of_this_jax(interpreter):
     assert unknown_names(sorted(jx.CALLS | set(interpreter.rules))) == []
+
+
+def test_the_walk_and_dependence_rule_names_are_primitives_of_this_jax():
+    assert unknown_names(sorted(set(walk._RUNS) | set(dependence._FLOW_RULES))) == []
 
 
 def test_the_check_names_what_is_no_primitive():

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 
 import flax.serialization
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,8 +67,8 @@ def test_trajectory_matches_flax_step_for_step(settings, has_aux, variant):
                      (mine.dynamic_scale.fin_steps, flax_result.dynamic_scale.fin_steps)]:
             assert jnp.asarray(a).dtype == jnp.asarray(b).dtype
             np.testing.assert_array_equal(a, b)
-        jax.tree_util.tree_map(np.testing.assert_array_equal, (mine.aux, mine.grad),
-                               (flax_result.aux, flax_result.grad))
+        chex.assert_trees_all_equal((mine.aux, mine.grad),
+                                    (flax_result.aux, flax_result.grad))
     # The faults really drove the scale: it backed off and grew.
     scales = [float(r.dynamic_scale.scale) for r in ours]
     assert len(set(scales)) > 2
@@ -90,8 +91,8 @@ def test_argnums_and_grad_without_value():
     a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
     _, finite, value, grads = ds.value_and_grad(f, argnums=(0, 1))(a, b)
     expected = flax_ds.DynamicScale(scale=8.0).value_and_grad(f, argnums=(0, 1))(a, b)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, (value, grads),
-                           (expected.aux, expected.grad))
+    chex.assert_trees_all_equal((value, grads),
+                                (expected.aux, expected.grad))
     result = ds.grad(f, argnums=1)(a, b)
     assert result.aux is None
     np.testing.assert_array_equal(result.grad, a)
@@ -124,7 +125,7 @@ def test_lives_in_a_train_state_under_jit_and_round_trips():
     assert float(state.dynamic_scale.scale) == 65536.0 * 2
     before = state.params
     state, _ = train_step(state, jnp.float32(np.inf))
-    jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, before)
+    chex.assert_trees_all_equal(state.params, before)
     assert float(state.dynamic_scale.scale) == 65536.0
     restored = flax.serialization.from_bytes(
         _State.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
@@ -149,7 +150,7 @@ def test_axis_name_averages_like_flax_under_shard_map():
 
     ours, theirs = run(jamp.DynamicScale), run(flax_ds.DynamicScale)
     assert not bool(ours[1]) and not bool(theirs[1])
-    jax.tree_util.tree_map(np.testing.assert_array_equal, ours, theirs)
+    chex.assert_trees_all_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("kwargs,error,message", [

@@ -150,3 +150,13 @@ def test_literals_are_keyed_by_their_bits():
     auto(X)
     fill["value"] = float("nan")  # another NaN object (NaN != NaN): the same program
     assert compiles_during(lambda: auto(X)) == 0
+
+
+def test_python_values_handed_back_are_told_apart_as_plain_python_does():
+    # 1, True and 1.0 are equal, and so are 0.0 and -0.0, yet each call hands back its own.
+    config = types.SimpleNamespace(value=1)
+    auto = jamp.autocast(lambda x: (x, config.value), device_type="cpu")
+    for value in (1, True, 1.0, -0.0, 0.0):
+        config.value = value
+        got = auto(X)[1]
+        assert type(got) is type(value) and repr(got) == repr(value)

@@ -16,6 +16,7 @@ from jax import lax
 
 import jamp
 from jamp.policy import FP32, autocast_table
+from jamp.policy.dtypes import is_floating
 from jamp.transforms.nnx_scopes import named_calls
 from jamp.transforms.rules import Rule, equation_path, module_pattern, rule_set
 
@@ -36,10 +37,8 @@ def ops(fn, *args, **kwargs):
                 walk(getattr(sub, "jaxpr", sub), path)
             if subs:
                 continue
-            ins = tuple(np.dtype(v.aval.dtype) for v in eqn.invars
-                        if jnp.issubdtype(v.aval.dtype, jnp.floating))
-            outs = tuple(np.dtype(v.aval.dtype) for v in eqn.outvars
-                         if jnp.issubdtype(v.aval.dtype, jnp.floating))
+            ins = tuple(np.dtype(v.aval.dtype) for v in eqn.invars if is_floating(v.aval))
+            outs = tuple(np.dtype(v.aval.dtype) for v in eqn.outvars if is_floating(v.aval))
             if ins or outs:
                 found.append(("/".join(path), eqn.primitive.name, ins, outs))
 

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend import core as jex_core
 
 import jamp
 from jamp.policy import LOWER, OpTable, autocast_table
+from jamp.walker.walk import equations
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 
@@ -27,16 +27,8 @@ def _loss(w, x, y):
 
 def _input_dtypes(fn, *args, primitive):
     """The input dtypes of every `primitive` equation in fn's jaxpr, sub-jaxprs included."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == primitive:
-                found.append(tuple(v.aval.dtype for v in eqn.invars))
-            for sub in jex_core.jaxprs_in_params(eqn.params):
-                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    found = [tuple(v.aval.dtype for v in eqn.invars)
+             for eqn in equations(jax.make_jaxpr(fn)(*args)) if eqn.primitive.name == primitive]
     assert found, f"no {primitive} in the program"
     return found
 

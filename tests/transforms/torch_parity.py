@@ -27,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jamp
+from jamp import _jax_internals as jx
 from jamp.policy import primitives
+from jamp.policy.dtypes import is_floating, is_inexact
+from jamp.walker.walk import equations
 
 LOW = "bfloat16"
 # torch's lists (shared/reference/autocast-ops.md, CPU), and ops on none of them.
@@ -168,29 +171,17 @@ def transformed_jaxpr(case: Case, variant: str, device_type: str = "cpu"):
 def computed_in(closed) -> list[tuple[str, tuple[str, ...]]]:
     """(primitive, floating input dtypes) of every equation that computes floating values."""
     found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-            for sub in subs:
-                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-            if subs or eqn.primitive.name in _MOVES or INPUT_SCOPE in str(
-                    eqn.source_info.name_stack):
-                continue
-            if not any(_floating(v.aval) for v in eqn.outvars):
-                continue
-            dtypes = tuple(np.dtype(v.aval.dtype).name for v in eqn.invars if _floating(v.aval))
-            # Literals alone (a tolerance jnp derives from the input dtype's eps) are no data.
-            if dtypes and not all(isinstance(v, jax.extend.core.Literal) for v in eqn.invars):
-                found.append((eqn.primitive.name, dtypes))
-
-    walk(closed.jaxpr)
+    for eqn in equations(closed):
+        if jx.bodies(eqn) or eqn.primitive.name in _MOVES or INPUT_SCOPE in str(
+                eqn.source_info.name_stack):
+            continue
+        if not any(is_floating(v.aval) for v in eqn.outvars):
+            continue
+        dtypes = tuple(np.dtype(v.aval.dtype).name for v in eqn.invars if is_floating(v.aval))
+        # Literals alone (a tolerance jnp derives from the input dtype's eps) are no data.
+        if dtypes and not all(isinstance(v, jax.extend.core.Literal) for v in eqn.invars):
+            found.append((eqn.primitive.name, dtypes))
     return found
-
-
-def _floating(aval) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _narrower(dtype: str, than: str) -> bool:
@@ -209,7 +200,7 @@ def verdict(case: Case, variant: str) -> Verdict:
         return Verdict(case.name, variant, None, "torch refuses these inputs")
     closed = transformed_jaxpr(case, variant)
     got = tuple(np.dtype(a.dtype).name for a in closed.out_avals
-                if _floating(a) or jnp.issubdtype(a.dtype, jnp.complexfloating))
+                if is_inexact(a))
     if got != want:
         return Verdict(case.name, variant, False, f"outputs {got}, torch {want}")
     floor = "float32" if case.list == "fp32" else min(
@@ -241,7 +232,7 @@ def cuda_verdict(case: Case, variant: str) -> Verdict:
         if narrow:
             return Verdict(case.name, variant, False, f"computes below float32: {', '.join(narrow)}")
     elif case.cuda == "lower":
-        got = tuple(np.dtype(a.dtype).name for a in closed.out_avals if _floating(a))
+        got = tuple(np.dtype(a.dtype).name for a in closed.out_avals if is_floating(a))
         if set(got) != {"float16"}:
             return Verdict(case.name, variant, False, f"outputs {got}, want float16")
     return Verdict(case.name, variant, True)
