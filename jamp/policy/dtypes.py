@@ -57,6 +57,14 @@ def is_inexact(x: Any) -> bool:
     return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
+def is_wide(x: Any) -> bool:
+    """True for a value or abstract value of float64 or a complex dtype: wider than autocast
+    ever casts (an op on one runs as the program wrote it)."""
+    dtype = dtype_of(x)
+    return dtype is not None and (dtype == np.float64 or bool(
+        jnp.issubdtype(dtype, jnp.complexfloating)))
+
+
 def is_half(x: Any) -> bool:
     """True for a value or abstract value of float16 or bfloat16."""
     return dtype_of(x) in HALF_DTYPES
@@ -205,6 +213,6 @@ def short_name(dtype) -> str:
 __all__ = [
     "ACCEPTED_DTYPE_NAMES", "AUTOCAST_DTYPES", "BFLOAT16", "canonical_floating_dtype",
     "DTYPE_NAMES", "dtype_of", "FLOAT16", "FLOAT32", "half_dtype", "HALF_DTYPES", "is_floating",
-    "is_floating_array", "is_half", "is_half_dtype", "is_inexact", "is_inexact_array",
+    "is_floating_array", "is_half", "is_half_dtype", "is_inexact", "is_inexact_array", "is_wide",
     "NAME_TO_DTYPE", "parse_dtype", "POLICY_KEYS", "short_name"
 ]

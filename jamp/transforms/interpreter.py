@@ -35,7 +35,6 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -293,7 +292,7 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     follower = facts.kernels.follower(eqn)
     if follower is not None:
         operands[follower] = dataclasses.replace(operands[follower], follows=True)
-    wide = any(_is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
+    wide = any(dtypes.is_wide(v.aval) for v in (*eqn.invars, *eqn.outvars))
     scalar = dataflow.sums_to_scalar(eqn)
     # An equation that computes operands of a float32 op runs in float32 (see
     # autocast_dataflow).
@@ -327,12 +326,6 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     outs = jx.bind(eqn, params, invals)
     facts.note(eqn, outs)
     return outs
-
-
-def _is_wide(aval) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    return dtype is not None and (dtype == np.float64 or jnp.issubdtype(dtype,
-                                                                         jnp.complexfloating))
 
 
 def _opaque(eqn, invals) -> list[Any]:
@@ -415,10 +408,9 @@ def _jit_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     # Re-bound with its body transformed once per program for these inputs (rather than
     # traced again at each call): a function called many times (jnp's jitted helpers)
     # lowers to one function.
-    key = jx.call_body_key(eqn.params)
-    new = specialized(eqn.params[key], env.eqn_region, autocast.ctx, invals,
-                      _constants(env, eqn))
-    return jx.bind(eqn, dict(eqn.params, **{key: new}), invals)
+    new = specialized(eqn.params[jx.call_body_key(eqn.params)], env.eqn_region, autocast.ctx,
+                      invals, _constants(env, eqn))
+    return control_flow.jit(eqn, invals, new)[0]
 
 
 def _remat_rule(autocast: Autocast, env: _Evaluation, eqn, invals):

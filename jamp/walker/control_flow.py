@@ -50,13 +50,21 @@ def call(eqn: jx.JaxprEqn, invals: Sequence[Any], body: Body) -> tuple[list, dic
     return body(closed, list(invals))
 
 
-def jit(eqn: jx.JaxprEqn, invals: Sequence[Any], body: Body) -> tuple[list, dict]:
+def jit(eqn: jx.JaxprEqn, invals: Sequence[Any], body: Body | jx.ClosedJaxpr
+        ) -> tuple[list, dict]:
     """A `jit` or `closed_call` re-bound with its body evaluated by `body`, traced for the
     current arrays `invals` (their dtypes may differ from the traced ones); its settings (name,
-    shardings, donation, inlining) kept. The body's outputs may change dtype, not number."""
+    shardings, donation, inlining) kept. The body's outputs may change dtype, not number.
+
+    An interpreter that keeps the bodies it transformed (autocast traces a body once per
+    program for the same inputs, so that a helper called many times lowers to one function)
+    passes that body, a closed jaxpr, instead of a body evaluator."""
     key = jx.call_body_key(eqn.params)
-    closed = jx.trace_closed(_without_extras(body, jx.call_body(eqn)),
-                             [jax.typeof(v) for v in invals])
+    if isinstance(body, jx.ClosedJaxpr):
+        closed = body
+    else:
+        closed = jx.trace_closed(_without_extras(body, jx.call_body(eqn)),
+                                 [jax.typeof(v) for v in invals])
     return jx.bind(eqn, dict(eqn.params, **{key: closed}), list(invals)), {}
 
 
