@@ -22,16 +22,20 @@ ORACLE ?= torch==2.13.0+cpu
 
 .PHONY: demo test lint bench clean
 
-$(VENV)/.installed-core: pyproject.toml
-	test -x $(PY) || $(INTERPRETER) -m venv $(VENV)
+$(PY):
+	$(INTERPRETER) -m venv $(VENV)
+
+$(VENV)/.installed-core: pyproject.toml | $(PY)
 	$(PIP) install -e '.[examples]'
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed-core
+# One install of everything the suite needs (the examples' extra included), so that a first
+# `make test` resolves and builds jamp once; it stands for the core install too.
+$(VENV)/.installed-test: pyproject.toml | $(PY)
 	$(PIP) install -e '.[test,examples,checkpoint]'
 	$(if $(ORACLE),$(PIP) install '$(ORACLE)' \
 	    || echo "no $(ORACLE) for this Python: torch's parity tests will be skipped")
-	touch $@
+	touch $(VENV)/.installed-core $@
 
 demo: $(VENV)/.installed-core
 	$(PY) examples/demo.py
@@ -40,7 +44,7 @@ demo: $(VENV)/.installed-core
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2
 
-$(VENV)/.installed-lint: $(VENV)/.installed-core
+$(VENV)/.installed-lint: pyproject.toml | $(PY)
 	$(PIP) install -e '.[lint]'
 	touch $@
 
