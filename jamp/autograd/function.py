@@ -162,15 +162,9 @@ class FunctionCtx:
     @property
     def saved_tensors(self) -> tuple:
         """What forward saved: with `save_for_backward` (in backward) or with
-        `save_for_forward` (in jvp), as a tuple."""
-        if self._in_jvp:
-            if not self._saved_forward and self._saved:
-                raise RuntimeError(
-                    f"In jvp of {self._function}, ctx.saved_tensors holds what forward saved "
-                    "with ctx.save_for_forward (torch's rule), and forward saved arrays only "
-                    "with ctx.save_for_backward: call ctx.save_for_forward(...) too.")
-            return self._saved_forward
-        return self._saved
+        `save_for_forward` (in jvp), as a tuple; empty where it saved nothing that way (in jvp
+        also when it saved only for backward, as in torch)."""
+        return self._saved_forward if self._in_jvp else self._saved
 
     def mark_non_differentiable(self, *outputs) -> None:
         """Marks outputs of forward (the very arrays it returns) as non-differentiable: they
@@ -340,9 +334,10 @@ def _uses_setup_context(cls: type[Function]) -> bool:
 
 
 def _bind(cls: type[Function], args: tuple, kwargs: dict) -> tuple:
-    """Keyword arguments bound to forward's positional parameters, defaults filled (torch
-    binds them so for `setup_context` Functions)."""
-    if not kwargs:
+    """Keyword arguments bound to forward's positional parameters, defaults filled. torch fills
+    the defaults for `setup_context` Functions even without keywords, so that `inputs` holds
+    every argument of forward."""
+    if not kwargs and not _uses_setup_context(cls):
         return args
     signature = inspect.signature(cls.forward)
     params = list(signature.parameters.values())
@@ -523,7 +518,13 @@ def _output_tangents(name: str, result, outputs: _Outputs, ctx: FunctionCtx) -> 
                                    f"a {type(o).__name__}, not an array: return None there.")
             continue
         aval = jax.typeof(o)
-        if next(non_diff) or t is None:
+        non_differentiable = next(non_diff)
+        if non_differentiable and t is not None:  # torch refuses it rather than dropping it
+            raise RuntimeError(
+                f"jvp of {name} returned a tangent for output {k}, which is non-differentiable "
+                "(marked with ctx.mark_non_differentiable, or of an integer or bool dtype): "
+                "return None there.")
+        if non_differentiable or t is None:
             out.append(SymbolicZero(jx.tangent_aval(aval)))
             continue
         t = jnp.asarray(t)

@@ -774,20 +774,6 @@ def test_jvp_errors():
     with pytest.raises(RuntimeError, match="jvp of WrongCount returned 1 tangent for 2 outputs"):
         jax.jvp(WrongCount.apply, (A,), (A,))
 
-    class SavedForBackwardOnly(Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def jvp(ctx, t):
-            x, = ctx.saved_tensors
-            return 2 * x * t
-
-    with pytest.raises(RuntimeError, match="save_for_forward"):
-        jax.jvp(SavedForBackwardOnly.apply, (A,), (A,))
-
 
 # -- autocast: jamp.custom_fwd / jamp.custom_bwd on forward and backward -----------------------
 
