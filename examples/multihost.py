@@ -360,7 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     job.add_argument("--num-processes", type=int)
     job.add_argument("--process-id", type=int)
     job.add_argument("--local-processes", type=int,
-                     help="start this many processes on this machine and wait for them")
+                     help="start this many processes on this machine and wait for them; exit "
+                          "non-zero when one failed")
     job.add_argument("--devices-per-process", type=int, default=4,
                      help="with --local-processes: CPU devices of each")
     faults = parser.add_argument_group("faults, for the tests")
@@ -396,6 +397,10 @@ def main(argv: list[str] | None = None) -> Any:
             print(f"--- process {i} (exit {r['returncode']}) ---\n{r['stdout']}", end="")
             if r["returncode"]:
                 print(r["stderr"][-3000:], end="")
+        codes = [r["returncode"] for r in results]
+        if any(codes):
+            # Exit non-zero, as any launcher does, so that a script or CI sees the job failed.
+            raise SystemExit(f"the job failed: the processes exited with {codes}")
         return results
     if args.distributed:
         # The CPU backend's collectives across processes (GPUs and TPUs bring their own).
