@@ -269,10 +269,11 @@ def run_local(argv: list[str], num_processes: int, devices_per_process: int, *,
     `devices_per_process` CPU devices, and waits for them.
 
     Each process is started with `--distributed` and the coordinator's address (a free port of
-    127.0.0.1); a single process is started without (no coordinator). When one process fails or dies, the others are killed, as a cluster's scheduler
-    ends a job whose process died; when the coordinator's port was taken meanwhile (another job
-    starting at once), the job is started again on another port. `env` adds environment
-    variables (JAX's settings, say) to this process's.
+    127.0.0.1); a single process is started without (no coordinator). When one process fails or
+    dies, the others are killed, as a cluster's scheduler ends a job whose process died; when the
+    coordinator's port was taken meanwhile (another job starting at once), the job is started
+    again on another port. `env` adds environment variables (JAX's settings, say) to this
+    process's.
 
     Returns:
       Per process: `returncode` (-9 for SIGKILL), `stdout`, `stderr`.
