@@ -269,10 +269,11 @@ def run_local(argv: list[str], num_processes: int, devices_per_process: int, *,
     `devices_per_process` CPU devices, and waits for them.
 
     Each process is started with `--distributed` and the coordinator's address (a free port of
-    127.0.0.1); a single process is started without (no coordinator). When one process fails or dies, the others are killed, as a cluster's scheduler
-    ends a job whose process died; when the coordinator's port was taken meanwhile (another job
-    starting at once), the job is started again on another port. `env` adds environment
-    variables (JAX's settings, say) to this process's.
+    127.0.0.1); a single process is started without (no coordinator). When one process fails or
+    dies, the others are killed, as a cluster's scheduler ends a job whose process died; when the
+    coordinator's port was taken meanwhile (another job starting at once), the job is started
+    again on another port. `env` adds environment variables (JAX's settings, say) to this
+    process's.
 
     Returns:
       Per process: `returncode` (-9 for SIGKILL), `stdout`, `stderr`.
@@ -360,7 +361,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     job.add_argument("--num-processes", type=int)
     job.add_argument("--process-id", type=int)
     job.add_argument("--local-processes", type=int,
-                     help="start this many processes on this machine and wait for them")
+                     help="start this many processes on this machine and wait for them; exit "
+                          "non-zero when one failed")
     job.add_argument("--devices-per-process", type=int, default=4,
                      help="with --local-processes: CPU devices of each")
     faults = parser.add_argument_group("faults, for the tests")
@@ -396,6 +398,10 @@ def main(argv: list[str] | None = None) -> Any:
             print(f"--- process {i} (exit {r['returncode']}) ---\n{r['stdout']}", end="")
             if r["returncode"]:
                 print(r["stderr"][-3000:], end="")
+        codes = [r["returncode"] for r in results]
+        if any(codes):
+            # Exit non-zero, as any launcher does, so that a script or CI sees the job failed.
+            raise SystemExit(f"the job failed: the processes exited with {codes}")
         return results
     if args.distributed:
         # The CPU backend's collectives across processes (GPUs and TPUs bring their own).

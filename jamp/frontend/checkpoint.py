@@ -291,9 +291,18 @@ def checkpoint_from_bytes(target: Any, blob: bytes) -> Any:
 
     Raises:
       ValueError: the checkpoint does not fit `target` (see `check_checkpoint_layout`), or the
-        bytes are not `checkpoint_to_bytes`'s.
+        bytes are not `checkpoint_to_bytes`'s, or are cut short or damaged (msgpack's error as
+        the cause).
     """
-    saved = serialization.msgpack_restore(blob)
+    try:
+        saved = serialization.msgpack_restore(blob)
+    except (ValueError, TypeError) as e:
+        # msgpack's words name a byte, not the file: say what was read. A cut or damaged array
+        # inside fails in flax's array decoding, as a TypeError or ValueError of numpy's.
+        leaves = len(jax.tree_util.tree_leaves(target))
+        raise ValueError(f"these bytes are not a whole jamp checkpoint (checkpoint_to_bytes's "
+                         f"msgpack) for the target, a {type(target).__name__} of {leaves} "
+                         f"arrays: they are cut short or damaged ({type(e).__name__}).") from e
     if not isinstance(saved, dict) or _LAYOUT_KEY not in saved:
         raise ValueError("these bytes hold no jamp layout: they were not written by "
                          "checkpoint_to_bytes (flax.serialization.from_bytes reads "
