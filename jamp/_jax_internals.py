@@ -471,6 +471,12 @@ def value_checks_global() -> tuple[bool, bool]:
     return _config.debug_nans.get_global(), _config.debug_infs.get_global()
 
 
+def set_in_this_thread(state) -> bool:
+    """Whether a `with` block of this thread has set the JAX config option `state`, so that the
+    thread reads the block's value, not the process's. Not public: the thread's own value."""
+    return state.get_local() is not _config.config_ext.unset
+
+
 def unfiltered_tracebacks():
     """A context in which JAX keeps its own frames in the tracebacks of the errors it raises.
 

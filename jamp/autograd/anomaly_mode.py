@@ -215,10 +215,12 @@ class detect_anomaly:
 class set_detect_anomaly:
     """Turns anomaly mode on or off: torch's `torch.autograd.set_detect_anomaly`.
 
-    Called as a statement, it sets the mode for the process (the current thread keeps any
-    `with` override): functions wrapped in `anomaly_checked` are checked by jamp, and JAX's
-    `jax_debug_nans` / `jax_debug_infs` are set to `mode and check_nan` / `mode and
-    check_inf` for everything else (see `detect_anomaly`). As a context manager, it restores
+    Called as a statement, it sets the mode for the process, or, inside a `with
+    detect_anomaly():` block of this thread, for the rest of that block; a block (of either)
+    restores the mode it found when it ends, as torch's do. Functions wrapped in
+    `anomaly_checked` are checked by jamp while it is on, and JAX's `jax_debug_nans` /
+    `jax_debug_infs` are set to `mode and check_nan` / `mode and check_inf` for everything
+    else (see `detect_anomaly`). As a context manager, it restores
     the previous settings on exit and, like `with detect_anomaly():`, adds the forward line to
     JAX's error; as a statement JAX's error is left as JAX raises it (under
     `jax.jit(jax.grad(f))`, a backward NaN is named by its primitive only). The mode is read
@@ -237,23 +239,33 @@ class set_detect_anomaly:
         checks = Checks(check_bool("check_nan", check_nan), check_bool("check_inf", check_inf))
         mode = check_bool("mode", mode)
         self.checks = checks if mode else Checks(nan=False, inf=False)
-        self._previous = (_MODE.get_global(), *jx.value_checks_global())
         self._block = contextlib.ExitStack()
+        self._previous: tuple | None = None
+        if jx.set_in_this_thread(_MODE):
+            # This thread reads its block's settings, so the call sets those; left open as a
+            # statement, they last until the enclosing block restores the ones it found (JAX's
+            # option contexts, not a generator's, which would end when it is collected).
+            self._block.enter_context(_MODE(_mode_value(mode, checks)))
+            self._block.enter_context(jax.debug_nans(self.checks.nan))
+            self._block.enter_context(jax.debug_infs(self.checks.inf))
+            return
+        self._previous = (_MODE.get_global(), *jx.value_checks_global())
         jax.config.update(_MODE.name, _mode_value(mode, checks))
         jax.config.update("jax_debug_nans", self.checks.nan)
         jax.config.update("jax_debug_infs", self.checks.inf)
 
     def __enter__(self) -> None:
-        # The settings are the process's from the call on; a block also names the source.
+        # The settings are in effect from the call on; a block also names the source.
         if self.checks.values:
             self._block.enter_context(jx.unfiltered_tracebacks())
 
     def __exit__(self, exc_type, error, tb) -> None:
         self._block.close()
-        mode, nan, inf = self._previous
-        jax.config.update(_MODE.name, mode)
-        jax.config.update("jax_debug_nans", nan)
-        jax.config.update("jax_debug_infs", inf)
+        if self._previous is not None:
+            mode, nan, inf = self._previous
+            jax.config.update(_MODE.name, mode)
+            jax.config.update("jax_debug_nans", nan)
+            jax.config.update("jax_debug_infs", inf)
         anomaly = None if error is None else _leave_with(error)
         if anomaly is not None:
             raise anomaly from None  # JAX's FloatingPointError, also a RuntimeError as torch's
