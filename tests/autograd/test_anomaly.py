@@ -19,6 +19,16 @@ from jamp.autograd.function import Function
 
 pytestmark = pytest.mark.filterwarnings("ignore:jamp anomaly detection is on")
 
+
+@pytest.fixture(autouse=True)
+def fresh_traces():
+    """Each test traces its functions anew. JAX's trace caches outlive a test: `masked`
+    traced first under `anomaly_checked` (by another test on the same worker) is then found
+    in the cache by a plain `jax.jit(jax.grad(masked))`, whose note then names only the
+    calling line, not the line inside `masked` (a known limitation of the forward-line note,
+    which reads the cached trace's source information)."""
+    jax.clear_caches()
+
 HERE = pathlib.Path(__file__)
 SOURCE = HERE.read_text().splitlines()
 
