@@ -100,7 +100,10 @@ def test_saved_tensors_in_jvp_without_save_for_forward_is_empty_as_in_torch(torc
 # -- a jvp's tangent for a non-differentiable output ---------------------------------------
 
 
-def _with_marked_output(base):
+def _with_marked_output(base, marked_tangent=lambda x_t: x_t.sum()):
+    """A Function (of `base`, jamp's or torch's) whose second output is marked
+    non-differentiable and whose jvp returns `marked_tangent(x_t)` for it."""
+
     class Split(base):
         @staticmethod
         def forward(x):
@@ -112,7 +115,7 @@ def _with_marked_output(base):
 
         @staticmethod
         def jvp(ctx, x_t):
-            return x_t * 2, x_t.sum()  # torch's rule: None for the marked output
+            return x_t * 2, marked_tangent(x_t)  # torch's rule: None for the marked output
 
     return Split
 
@@ -128,19 +131,7 @@ def test_jvp_tangent_for_a_marked_output_raises_as_in_torch(torch):
 
 
 def test_jvp_returning_none_for_a_marked_output_gives_it_a_zero_tangent():
-    class Split(Function):
-        @staticmethod
-        def forward(x):
-            return x * 2, x.sum()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.mark_non_differentiable(output[1])
-
-        @staticmethod
-        def jvp(ctx, x_t):
-            return x_t * 2, None
-
+    Split = _with_marked_output(Function, marked_tangent=lambda x_t: None)
     _, (t, t_sum) = jax.jvp(Split.apply, (A,), (jnp.ones(3),))
     np.testing.assert_allclose(t, 2 * np.ones(3))
     assert float(t_sum) == 0.0
