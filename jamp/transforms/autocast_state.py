@@ -39,13 +39,16 @@ def tracing(region: Region) -> Iterator[None]:
         _TRACING.reset(token)
 
 
-def _region_in_force(device_type: str | None) -> tuple[str, Region | None]:
-    """The canonical device type asked about, and the region in force at this point of a
-    traced function (None outside every transform)."""
+def _region_in_force(device_type: str | None) -> Region | None:
+    """The region in force at this point of a traced function where it is of `device_type`
+    (its op table's); None outside every transform or in a region of another device type."""
     device = canonical_device_type(jax.default_backend() if device_type is None
                                    else device_type)
     start = _TRACING.get()
-    return device, None if start is None else precision_rules.region_here(start)
+    if start is None:
+        return None
+    region = precision_rules.region_here(start)
+    return region if canonical_device_type(region.table.device_type) == device else None
 
 
 def is_autocast_enabled(device_type: str | None = None) -> bool:
@@ -81,8 +84,8 @@ def is_autocast_enabled(device_type: str | None = None) -> bool:
       >>> layer(jnp.ones(2)).dtype
       dtype('float32')
     """
-    device, region = _region_in_force(device_type)
-    return region is not None and region.enabled and region.table.device_type == device
+    region = _region_in_force(device_type)
+    return region is not None and region.enabled
 
 
 def get_autocast_dtype(device_type: str) -> np.dtype:
@@ -98,10 +101,8 @@ def get_autocast_dtype(device_type: str) -> np.dtype:
       TypeError / ValueError: for a device type that is not a string or not one jamp has a
         table for ("cuda", "gpu", "rocm", "cpu", "tpu").
     """
-    device, region = _region_in_force(device_type)
-    if region is not None and region.table.device_type == device:
-        return region.dtype
-    return autocast_table(device).default_dtype
+    region = _region_in_force(device_type)
+    return autocast_table(device_type).default_dtype if region is None else region.dtype
 
 
 def is_autocast_available(device_type: str) -> bool:
