@@ -28,7 +28,14 @@ from jamp.scaler import (
     scaled_value_and_grad,
     select_tree,
 )
-from jamp.transforms import autocast, custom_bwd, custom_fwd
+from jamp.transforms import (
+    autocast,
+    custom_bwd,
+    custom_fwd,
+    get_autocast_dtype,
+    is_autocast_available,
+    is_autocast_enabled,
+)
 from jamp import autograd, debug, frontend, profile
 from jamp.frontend import (
     MasterWeightsState,
@@ -49,8 +56,9 @@ __version__ = "0.1.0"
 __all__ = [
     "all_finite", "autocast", "autograd", "cast_to_full", "cast_to_half", "checkpoint_from_bytes",
     "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "debug", "DynamicLossScale", "DynamicScale",
-    "DynamicScaleResult", "frontend", "get_loss_scale", "get_policy", "GradScaler", "half_dtype",
-    "initialize", "load_state_dict", "LossScale", "loss_scaled", "master_params", "master_weights",
+    "DynamicScaleResult", "frontend", "get_autocast_dtype", "get_loss_scale", "get_policy",
+    "GradScaler", "half_dtype", "initialize", "is_autocast_available", "is_autocast_enabled",
+    "load_state_dict", "LossScale", "loss_scaled", "master_params", "master_weights",
     "MasterWeightsState", "NoOpLossScale", "Policy", "policy", "profile", "Properties",
     "properties", "restore_checkpoint", "save_checkpoint", "scale_loss", "scaled_value_and_grad",
     "scaler", "select_tree", "state_dict", "StaticLossScale", "transforms"

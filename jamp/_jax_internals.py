@@ -561,7 +561,17 @@ def traceback_code(eqn: JaxprEqn) -> tuple[Any, ...]:
     jitted function and what it called, not its callers), keeps them on every equation and
     copies them onto the equations that differentiate it. What precision rules naming a
     function match (`jamp.transforms.rules`). Not public: `source_info` is an internal field."""
-    traceback = eqn.source_info.traceback
+    return _traceback_code(eqn.source_info)
+
+
+def current_traceback_code() -> tuple[Any, ...]:
+    """The code objects of the Python stack now, innermost first: what `traceback_code` reads
+    off an equation traced at this point. Not public: JAX's `source_info_util`."""
+    return _traceback_code(_source_info.current())
+
+
+def _traceback_code(source_info) -> tuple[Any, ...]:
+    traceback = source_info.traceback
     return () if traceback is None else tuple(traceback.raw_frames()[0])
 
 
@@ -696,8 +706,19 @@ def scope_names(eqn: JaxprEqn) -> list[str]:
     module paths (`Model`, `Dense_0`), user scopes and autocast regions; the transformations
     wrapped around them (`jvp(...)`, `transpose(...)`) are left out. Not public: the name
     stack's `Scope` entries are internal types."""
-    return [entry.name for entry in eqn.source_info.name_stack.stack
-            if isinstance(entry, _source_info.Scope)]
+    return _scope_names(eqn.source_info.name_stack)
+
+
+def current_scope_names() -> list[str]:
+    """The `jax.named_scope` names open now in the function being traced, outermost first:
+    what `scope_names` reads off an equation traced at this point (JAX traces the body of a
+    jit, scan, cond or checkpoint on a name stack of its own). Not public: JAX's
+    `source_info_util`."""
+    return _scope_names(_source_info.current_name_stack())
+
+
+def _scope_names(name_stack) -> list[str]:
+    return [entry.name for entry in name_stack.stack if isinstance(entry, _source_info.Scope)]
 
 
 def live_executables() -> list[Any]:

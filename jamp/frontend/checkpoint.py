@@ -24,6 +24,7 @@ Two ways to store:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -259,6 +260,8 @@ def _check_saved_layout(manager: Any, step: int, target: Any) -> None:
 def checkpoint_to_bytes(state: Any) -> bytes:
     """`state` and its layout as msgpack bytes (`flax.serialization`), for one process.
 
+    `state` is any pytree of arrays; Flax NNX States in it are stored as their values.
+
     Raises:
       ValueError: in a multi-process job, where no process holds every array: use
         `save_checkpoint`.
@@ -279,8 +282,9 @@ def checkpoint_to_bytes(state: Any) -> bytes:
         raise ValueError(f"checkpoint_to_bytes needs every array in this process, but this is "
                          f"process {jax.process_index()} of {jax.process_count()}: save with "
                          f"save_checkpoint (orbax), which each process writes its shards to.")
-    return serialization.msgpack_serialize({_LAYOUT_KEY: checkpoint_layout(state),
-                                            "state": serialization.to_state_dict(state)})
+    return serialization.msgpack_serialize({
+        _LAYOUT_KEY: checkpoint_layout(state),
+        "state": serialization.to_state_dict(_nnx_states_as_dicts(state))})
 
 
 def checkpoint_from_bytes(target: Any, blob: bytes) -> Any:
@@ -288,6 +292,12 @@ def checkpoint_from_bytes(target: Any, blob: bytes) -> Any:
 
     Each array is put on the sharding of `target`'s leaf (its device, or a mesh other than the
     one it was saved from).
+
+    Args:
+      target: a state of the same set-up, with arrays or `jax.ShapeDtypeStruct`s as leaves (a
+        `jax.eval_shape` of it: concrete arrays come back, on the default device where a leaf
+        names no sharding); Flax NNX States (`nnx.state((model, optimizer))`) anywhere in it.
+      blob: the bytes.
 
     Raises:
       ValueError: the checkpoint does not fit `target` (see `check_checkpoint_layout`), or the
@@ -308,13 +318,32 @@ def checkpoint_from_bytes(target: Any, blob: bytes) -> Any:
                          "checkpoint_to_bytes (flax.serialization.from_bytes reads "
                          "flax.serialization.to_bytes's).")
     check_checkpoint_layout(saved[_LAYOUT_KEY], target)
-    restored = serialization.from_state_dict(target, saved["state"])
+    values = serialization.from_state_dict(_nnx_states_as_dicts(target), saved["state"])
+    # The values in the target's own structure (its NNX States and Variables back), leaf for
+    # leaf: a State's dict keeps its sorted keys, so both flatten in one order.
+    restored = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target),
+                                            jax.tree_util.tree_leaves(values))
     return jax.tree_util.tree_map(_placed_like, restored, target)
 
 
+def _nnx_states_as_dicts(tree: Any) -> Any:
+    """`tree` with each Flax NNX `State` in it as the nested dict of its values
+    (`nnx.to_pure_dict`), which flax.serialization stores (it has no handler for a State).
+    Returns `tree` itself where flax.nnx was never imported, so no State can exist."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return tree
+    is_state = lambda x: isinstance(x, nnx.State)
+    return jax.tree_util.tree_map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x, tree,
+                                  is_leaf=is_state)
+
+
 def _placed_like(value: Any, like: Any) -> Any:
-    sharding = getattr(like, "sharding", None)
-    return value if sharding is None else jax.device_put(value, sharding)
+    """`value` as an array on `like`'s sharding where `like` is an array or an abstract one
+    (`jax.ShapeDtypeStruct`, on the default device when it names no sharding)."""
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.device_put(value, like.sharding)
+    return value
 
 
 __all__: Sequence[str] = ("checkpoint_layout", "check_checkpoint_layout", "save_checkpoint",

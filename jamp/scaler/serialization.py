@@ -28,7 +28,9 @@ def register(cls: type, leaves: Sequence[str]) -> None:
         if missing:
             raise StateDictKeyError(f"Cannot restore {type(target).__name__}: the state dict "
                                     f"lacks {missing} (it has {sorted(state)}).")
-        values = {name: jnp.asarray(state[name], jnp.asarray(getattr(target, name)).dtype)
+        # result_type reads the dtype of an array, a Python number and a ShapeDtypeStruct (an
+        # abstract target: jax.eval_shape's) alike.
+        values = {name: jnp.asarray(state[name], jnp.result_type(getattr(target, name)))
                   for name in leaves}
         return dataclasses.replace(target, **values)
 

@@ -10,7 +10,7 @@ import jax
 from jamp._checks import check_bool
 from jamp.policy.autocast_tables import (
     OpTable, autocast_table, canonical_device_type, check_autocast_dtype)
-from jamp.transforms import autocast_rules
+from jamp.transforms import autocast_rules, autocast_state
 from jamp.transforms import boundary, programs
 from jamp.transforms import rules as precision_rules
 
@@ -225,7 +225,10 @@ class AutocastRegion:
             call = boundary.Call.of(fn, args, kwargs)
             # `fn` runs on every call, as it does without autocast (under jax.jit, when jit
             # traces): what it reads is read now. The cache saves the transform and the compile.
-            traced = programs.Trace(fn, call)
+            # What `fn` asks of autocast while it is traced (jamp.is_autocast_enabled) is
+            # answered for this transform.
+            with autocast_state.tracing(region):
+                traced = programs.Trace(fn, call)
             cache = programs.cache_for(fn)
             key = traced.key(call, region)
             key = None if key is None else (settings, key)

@@ -246,9 +246,11 @@ class RuleSet:
 
     def functions_on(self, eqn) -> frozenset[int]:
         """The function rules whose function is on the Python stack that traced `eqn`."""
-        if not self._by_code:
-            return _NONE
-        found = [self._by_code[c] for c in jx.traceback_code(eqn) if c in self._by_code]
+        return self.functions_among(jx.traceback_code(eqn)) if self._by_code else _NONE
+
+    def functions_among(self, codes: Iterable[Any]) -> frozenset[int]:
+        """The function rules whose function's code is among `codes` (a Python stack's)."""
+        found = [self._by_code[c] for c in codes if c in self._by_code]
         return frozenset().union(*found) if found else _NONE
 
     def choose(self, path: tuple[str, ...], functions: frozenset[int]
@@ -388,6 +390,16 @@ def region_of(enclosing: Region, eqn) -> Region:
     return locate(enclosing, jx.scope_names(eqn), functions).region
 
 
+def region_here(enclosing: Region) -> Region:
+    """The region an equation traced now, at this point of the function a transform with
+    region `enclosing` is tracing, will be evaluated in: `region_of` for the name stack and
+    Python stack open now (what `jamp.is_autocast_enabled` and its kin answer from)."""
+    scope = enclosing.scope
+    functions = (_NONE if scope is None
+                 else scope.rules.functions_among(jx.current_traceback_code()))
+    return locate(enclosing, jx.current_scope_names(), functions).region
+
+
 def _markers(names: Iterable[str]) -> tuple:
     return tuple(m for name in names if name.startswith(MARKER_PREFIX)
                  for m in parse_markers(name))
@@ -469,6 +481,6 @@ def _closest(rule: Rule, paths: list[tuple[str, ...]]) -> str:
 
 __all__ = [
     "check_matched", "checked_rules", "equation_path", "is_module_scope", "locate", "Location",
-    "module_path", "module_pattern", "region_of", "Rule", "rule_set", "RuleSet", "Scope",
-    "with_rules"
+    "module_path", "module_pattern", "region_here", "region_of", "Rule", "rule_set", "RuleSet",
+    "Scope", "with_rules"
 ]

@@ -51,6 +51,8 @@ def _nnx(ns):
     assert ns["model"].bn.scale.dtype == jnp.float32
     assert ns["losses"][-1] < ns["losses"][0]
     assert ns["masters"]["conv"]["kernel"].dtype == jnp.float32
+    restored = ns["jax"].tree_util.tree_leaves(ns["restored"])
+    assert all(isinstance(x, ns["jax"].Array) for x in restored)
 
 
 CHECKS = {
