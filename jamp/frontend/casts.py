@@ -33,10 +33,13 @@ def check_float32(where: str, dtype: Any) -> None:
                      f"to half before initialize. {hint}")
 
 
-def cast_inputs(tree: Any, dtype: Any) -> Any:
-    """Apex's input cast: floating JAX arrays to `dtype`, objects with a `to(dtype)` method
-    through it, containers recursively. numpy arrays and Python numbers pass through uncast
-    (as Apex forwards numpy arrays)."""
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Apex's cast of a model's inputs and outputs: floating JAX arrays to `dtype`, objects
+    with a `to(dtype)` method through it, containers recursively; integer arrays, numpy
+    arrays and Python numbers pass through uncast (as Apex forwards numpy arrays). `tree` is
+    returned unchanged when `dtype` is None."""
+    if dtype is None:
+        return tree
 
     def is_custom(x):
         return callable(getattr(x, "to", None)) and not isinstance(x, (jax.Array, np.ndarray))
@@ -51,13 +54,4 @@ def cast_inputs(tree: Any, dtype: Any) -> Any:
     return jax.tree_util.tree_map(cast, tree, is_leaf=is_custom)
 
 
-def cast_outputs(out: Any, dtype: Any) -> Any:
-    """`out` with its floating JAX arrays cast to `dtype` (`cast_model_outputs`, and a float32
-    batch norm's output back to the model's half type); unchanged when `dtype` is None."""
-    if dtype is None:
-        return out
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(dtype) if isinstance(x, jax.Array) and is_floating(x) else x, out)
-
-
-__all__ = ["cast_inputs", "cast_outputs", "check_float32"]
+__all__ = ["cast_floating", "check_float32"]

@@ -12,6 +12,10 @@ transformations) and returns the same kinds, changed as Apex's opt level says:
   are cast to float16; the optimizers keep float32 master weights.
 - O3: everything float16 (BatchNorm too, unless `keep_batchnorm_fp32=True`).
 
+Where the model is cast (O0, O2, O3: `cast_model_type` neither None nor False), its floating
+outputs are cast to float32, as Apex's patched forward does, so the loss never runs on half
+logits; `cast_model_outputs` picks another dtype, at any level.
+
 Every returned optimizer is `jamp.loss_scaled(...)` (a static scale of 1.0 at O0 and O3).
 
 BatchNorm layers are found from the variables' structure: a module that keeps running
@@ -30,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jamp.frontend.casts import cast_inputs, cast_outputs, check_float32
+from jamp.frontend.casts import cast_floating, check_float32
 from jamp.frontend.nnx_initialization import initialize_nnx
 from jamp.frontend.optimizers import amp_optimizer, as_transformation, param_dtypes
-from jamp.frontend.options import InitializeOptions, as_list
+from jamp.frontend.options import InitializeOptions, as_list, model_dtype
 from jamp.policy import Properties
 from jamp.policy.dtypes import is_inexact_array
 from jamp.transforms import autocast
@@ -72,7 +76,8 @@ def initialize(
       opt_level: "O0", "O1", "O2" or "O3" (the letter O).
       cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
         Apex's overrides of the level's options (None keeps the level's value).
-      cast_model_outputs: a dtype the apply functions' outputs are cast to, at any level.
+      cast_model_outputs: a dtype the apply functions' floating outputs are cast to, at any
+        level. None: float32 where the model is cast (O0, O2, O3), as in Apex.
       num_losses: K losses, each with its own loss scale (`jamp.scale_loss(..., loss_id=k)`;
         `update` then takes a sequence of K grad trees).
       verbosity: 1 prints Apex's "Selected optimization level" block; 0 is silent.
@@ -101,7 +106,7 @@ def initialize(
       >>> apply_fn, variables, tx = jamp.initialize(
       ...     model.apply, variables, optax.adam(1e-3), opt_level="O2", verbosity=0)
       >>> variables["params"]["kernel"].dtype, apply_fn(variables, jnp.ones((2, 3))).dtype
-      (dtype('float16'), dtype('float16'))
+      (dtype('float16'), dtype('float32'))
       >>> opt_state = tx.init(variables["params"])
       >>> jamp.master_params(opt_state)["kernel"].dtype
       dtype('float32')
@@ -145,14 +150,14 @@ def _initialize_linen(apply_fns: Any, variables: Any, txs: Any, options: Initial
                     f"keep_batchnorm_fp32={options.keep_batchnorm_fp32!r} was given, but "
                     f"{where} has no BatchNorm layer (no module keeps batch_stats): leave it "
                     f"None.")
-    outputs_dtype = options.outputs_dtype()
+    dtype = model_dtype(props)
+    outputs_dtype = options.outputs_dtype(dtype)
 
-    model_dtype = props.cast_model_type
-    keep_bn = bool(props.keep_batchnorm_fp32) if model_dtype is not None else True
-    new_variables = [cast_model(v, model_dtype, keep_bn) if model_dtype is not None else v
+    keep_bn = bool(props.keep_batchnorm_fp32) if dtype is not None else True
+    new_variables = [cast_model(v, dtype, keep_bn) if dtype is not None else v
                      for v in all_variables]
-    new_fns = [_amp_apply(fn, props, outputs_dtype) for fn in fns]
-    allowed = param_dtypes(model_dtype, keep_bn)
+    new_fns = [_amp_apply(fn, props, dtype, outputs_dtype) for fn in fns]
+    allowed = param_dtypes(dtype, keep_bn)
     returned_params = [v["params"] for v in new_variables]
     new_txs = [amp_optimizer(tx, props, options.num_losses, options.min_loss_scale,
                              options.max_loss_scale, allowed, returned_params)
@@ -250,23 +255,24 @@ def cast_model(variables: Any, dtype: Any, keep_batchnorm_fp32: bool) -> Any:
 # --- the apply function -----------------------------------------------------------------------
 
 
-def _amp_apply(fn: Callable, props, outputs_dtype) -> Callable:
-    model_dtype = props.cast_model_type
+def _amp_apply(fn: Callable, props, dtype, outputs_dtype) -> Callable:
+    """`fn` with Apex's patched forward: inputs cast to the model's `dtype` (None: not cast),
+    outputs to `outputs_dtype` (None: as `fn` returns them), under autocast at O1."""
     run = autocast(fn, dtype=jnp.float16) if props.patch_torch_functions else fn
 
     @functools.wraps(fn)
     def amp_apply(variables, *args, **kwargs):
-        if model_dtype is not None:
-            args, kwargs = cast_inputs((args, kwargs), model_dtype)
-            with nn.intercept_methods(_batch_norm_output_to(model_dtype)):
+        if dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), dtype)
+            with nn.intercept_methods(_batch_norm_output_to(dtype)):
                 out = run(variables, *args, **kwargs)
         else:
             out = run(variables, *args, **kwargs)
         if kwargs.get("mutable"):
             out, updates = out
             updates = _keep_dtypes(updates, variables)
-            return cast_outputs(out, outputs_dtype), updates
-        return cast_outputs(out, outputs_dtype)
+            return cast_floating(out, outputs_dtype), updates
+        return cast_floating(out, outputs_dtype)
 
     # How a second initialize knows the function is one it returned (see _check_flax_apply).
     amp_apply.amp_properties = props  # type: ignore[attr-defined]  # a mark, set on purpose
@@ -280,7 +286,7 @@ def _batch_norm_output_to(dtype):
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
         if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
-            return cast_outputs(out, dtype)
+            return cast_floating(out, dtype)
         return out
 
     return interceptor

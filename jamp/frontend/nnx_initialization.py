@@ -13,6 +13,9 @@ the linen form, read from one `jamp.frontend.options.InitializeOptions`):
   float32 master weights.
 - O3: everything float16 (batch norms too, unless `keep_batchnorm_fp32=True`).
 
+Where the model is cast, its floating outputs come back in float32 (or `cast_model_outputs`),
+as in the linen form and Apex.
+
 Every optimizer's transformation becomes `jamp.loss_scaled(...)` of the user's (with
 `jamp.master_weights` around it when the level keeps masters): the same
 `jamp.frontend.optimizers.amp_optimizer` the linen form returns.
@@ -32,10 +35,11 @@ structure: lists where lists were given, the model(s) alone when no optimizer is
   objects passed in, such as an `nnx.Rngs`, are left as they are: they are the caller's),
   runs the original `__call__` (under autocast at O1), keeps every floating Variable in the
   dtype it had before the call, as the linen form keeps mutated collections, and casts the
-  outputs (`cast_model_outputs`). Python looks a special method up on the class, so this is
-  how an object's `__call__` can change; the class is part of the model's graph definition,
-  so `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.value_and_grad`, `nnx.clone`, `copy.deepcopy`
-  and pickle carry it along. Only `__call__` is wrapped, as Apex patches only `forward`;
+  outputs (float32 where the model is cast, or `cast_model_outputs`). Python looks a special
+  method up on the class, so this is how an object's `__call__` can change; the class is
+  part of the model's graph definition, so `nnx.split`/`nnx.merge`, `nnx.jit`,
+  `nnx.value_and_grad`, `nnx.clone`, `copy.deepcopy` and pickle carry it along. Only
+  `__call__` is wrapped, as Apex patches only `forward`;
 - where a float32 batch norm's output must go back to half (O2), each batch norm's class is
   swapped the same way for one whose `__call__` casts its floating outputs;
 - the optimizer's `tx` becomes jamp's and its `opt_state` is made again from the cast model
@@ -76,14 +80,14 @@ import optax
 from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 
-from jamp.frontend.casts import cast_inputs, cast_outputs, check_float32
+from jamp.frontend.casts import cast_floating, check_float32
 from jamp.frontend.optimizers import (
     amp_optimizer,
     apex_loss_scale,
     as_transformation,
     param_dtypes,
 )
-from jamp.frontend.options import InitializeOptions, as_list
+from jamp.frontend.options import InitializeOptions, as_list, model_dtype
 from jamp.policy.dtypes import is_inexact_array
 from jamp.scaler import find_loss_scaled_states
 from jamp.transforms import autocast
@@ -140,7 +144,7 @@ def initialize_nnx(models: Any, optimizers: Any, options: InitializeOptions):
       ...     return loss
       >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 4))
       >>> train_step(model, optimizer, x, y).dtype, model(x).dtype
-      (dtype('float32'), dtype('float16'))
+      (dtype('float32'), dtype('float32'))
       >>> jamp.master_params(optimizer.opt_state)["linear"]["kernel"].dtype
       dtype('float32')
     """
@@ -173,19 +177,18 @@ def initialize_nnx(models: Any, optimizers: Any, options: InitializeOptions):
                     f"keep_batchnorm_fp32={options.keep_batchnorm_fp32!r} was given, but "
                     f"{where_model(i)} has no BatchNorm layer (no nnx.BatchNorm, no module "
                     f"keeping nnx.BatchStat statistics): leave it None.")
-    outputs_dtype = options.outputs_dtype()
+    dtype = model_dtype(props)
+    outputs_dtype = options.outputs_dtype(dtype)
     if opt_list:  # a bad floor or ceiling raises here, before anything is changed
         apex_loss_scale(props.loss_scale, options.min_loss_scale, options.max_loss_scale)
 
-    model_dtype = props.cast_model_type
-    model_dtype = None if model_dtype is None else np.dtype(model_dtype)
-    keep_bn = bool(props.keep_batchnorm_fp32) if model_dtype is not None else True
-    settings = _Settings(opt_level=props.opt_level, model_dtype=model_dtype,
+    keep_bn = bool(props.keep_batchnorm_fp32) if dtype is not None else True
+    settings = _Settings(opt_level=props.opt_level, model_dtype=dtype,
                          autocast=bool(props.patch_torch_functions),
                          outputs_dtype=outputs_dtype)
     for model in unique:
         _amp_model(model, settings, keep_bn)
-    allowed = param_dtypes(model_dtype, keep_bn)
+    allowed = param_dtypes(dtype, keep_bn)
     for optimizer, model in zip(opt_list, model_list):  # none, or one per model (checked)
         _amp_nnx_optimizer(optimizer, model, props, options, allowed)
 
@@ -391,7 +394,7 @@ def _half_output_class(base: type[nnx.Pytree], dtype: np.dtype) -> type:
     half inputs returns half)."""
 
     def __call__(self, *args, **kwargs):
-        return cast_outputs(base.__call__(self, *args, **kwargs), dtype)
+        return cast_floating(base.__call__(self, *args, **kwargs), dtype)
 
     return _subclass(base, (_half_output_class, dtype),
                      lambda: {"__call__": __call__, "_jamp_output_dtype": dtype})
@@ -406,27 +409,27 @@ def _amp_class(base: type[nnx.Pytree], settings: _Settings) -> type:
 
         def __call__(self, *args, **kwargs):
             if settings.model_dtype is not None:
-                args, kwargs = _outside_nnx(cast_inputs, (args, kwargs), settings.model_dtype)
+                args, kwargs = _outside_nnx((args, kwargs), settings.model_dtype)
             dtypes = _floating_dtypes(self)
             out = run(self, *args, **kwargs)
             _restore_dtypes(dtypes)
             if settings.outputs_dtype is None:
                 return out
-            return _outside_nnx(cast_outputs, out, settings.outputs_dtype)
+            return _outside_nnx(out, settings.outputs_dtype)
 
         return {"__call__": __call__, "_jamp_settings": settings}
 
     return _subclass(base, (_amp_class, settings), namespace)
 
 
-def _outside_nnx(cast: Callable, tree: Any, dtype: np.dtype) -> Any:
-    """The linen form's `cast(tree, dtype)` (`cast_inputs`, `cast_outputs`) applied around the
-    NNX objects in `tree`: an `nnx.Rngs`, module or Variable passed to (or returned by) the
-    model is the caller's object, to be updated in place, not a cast copy."""
+def _outside_nnx(tree: Any, dtype: np.dtype) -> Any:
+    """The linen form's `cast_floating(tree, dtype)` applied around the NNX objects in `tree`:
+    an `nnx.Rngs`, module or Variable passed to (or returned by) the model is the caller's
+    object, to be updated in place, not a cast copy."""
     is_nnx = lambda x: isinstance(x, (nnx.Variable, nnx.Pytree))
     has_to = lambda x: (callable(getattr(x, "to", None))
                         and not isinstance(x, (jax.Array, np.ndarray)))
-    return jax.tree_util.tree_map(lambda x: x if is_nnx(x) else cast(x, dtype), tree,
+    return jax.tree_util.tree_map(lambda x: x if is_nnx(x) else cast_floating(x, dtype), tree,
                                   is_leaf=lambda x: is_nnx(x) or has_to(x))
 
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from jamp._checks import check_bool, check_count
 from jamp.policy import Properties, properties
-from jamp.policy.dtypes import canonical_floating_dtype
-from jamp.policy.opt_levels import OPT_LEVELS
+from jamp.policy.dtypes import FLOAT32
+from jamp.policy.opt_levels import OPT_LEVELS, floating_option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,8 @@ class InitializeOptions:
       opt_level: "O0", "O1", "O2" or "O3" (the letter O).
       cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
         Apex's overrides of the level's options (None keeps the level's value).
-      cast_model_outputs: a dtype the models' outputs are cast to, at any level.
+      cast_model_outputs: a dtype the models' floating outputs are cast to, at any level
+        (None: float32 where the model is cast, as in Apex).
       num_losses: K losses, each with its own loss scale.
       verbosity: 1 prints Apex's "Selected optimization level" block; 0 is silent.
       min_loss_scale, max_loss_scale: the dynamic loss scale's floor (None: none) and ceiling.
@@ -68,15 +69,28 @@ class InitializeOptions:
             _print_options(self.opt_level, props)
         return props
 
-    def outputs_dtype(self) -> np.dtype | None:
-        """`cast_model_outputs` as a floating numpy dtype, or None.
+    def outputs_dtype(self, model_dtype: np.dtype | None) -> np.dtype | None:
+        """The dtype the models' floating outputs are cast to, Apex's rule: `cast_model_outputs`
+        where given (at any level), else float32 where the model is cast (`model_dtype` not
+        None: Apex's patched forward returns float32, so the loss never runs on half logits),
+        else None (the outputs as the model returns them).
 
         Raises:
           ValueError: `cast_model_outputs` is not a floating dtype.
         """
-        if self.cast_model_outputs is None:
-            return None
-        return canonical_floating_dtype(self.cast_model_outputs, "cast_model_outputs")
+        if self.cast_model_outputs is not None:
+            return floating_option("cast_model_outputs", self.cast_model_outputs,
+                                   "or None (float32 where the model is cast, else the outputs "
+                                   "as the model returns them)")
+        return None if model_dtype is None else FLOAT32
+
+
+def model_dtype(props: Properties) -> np.dtype | None:
+    """The dtype the models are cast to (with their floating inputs), or None where they are
+    left as they are: Apex casts where `cast_model_type` is truthy, so None and False (its "do
+    not cast") both leave the model uncast."""
+    dtype = props.cast_model_type
+    return None if dtype is None or dtype is False else np.dtype(dtype)
 
 
 def _print_options(opt_level: str, props: Properties) -> None:
@@ -100,4 +114,4 @@ def as_list(value: Any) -> tuple[list, bool]:
     return [value], False
 
 
-__all__ = ["InitializeOptions", "as_list"]
+__all__ = ["InitializeOptions", "as_list", "model_dtype"]

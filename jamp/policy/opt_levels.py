@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -107,8 +108,14 @@ class Properties:
         return value
 
     def _check_cast_model_type(self, value):
-        if value is not None and value is not False:
-            value = canonical_floating_dtype(value, what="cast_model_type")
+        # Apex casts the model only where cast_model_type is truthy: None and False (its
+        # multi-model tests' "do not cast") leave the model as it is.
+        if _is_false(value):
+            value = False
+        elif value is not None:
+            value = floating_option("cast_model_type", value,
+                                    "False (leave the model uncast) or None (the level's "
+                                    "default)")
         if self.opt_level == "O1" and value is not None and value is not False \
                 and value != FLOAT32:
             self._warn_or_err(
@@ -118,7 +125,7 @@ class Properties:
         return value
 
     def _check_patch_torch_functions(self, value):
-        value = check_bool("patch_torch_functions", value)
+        value = _optional_flag("patch_torch_functions", value)
         if self.opt_level != "O1" and value:
             self._warn_or_err("patch_torch_functions=True (autocast) should only be set by "
                               "selecting opt_level='O1'.")
@@ -139,7 +146,7 @@ class Properties:
         return value
 
     def _check_master_weights(self, value):
-        value = None if value is None else check_bool("master_weights", value)
+        value = _optional_flag("master_weights", value)
         if self.opt_level == "O1" and value is not None:
             self._warn_or_err("master_weights make no sense with O1: with O1 the model "
                               "weights themselves should be float32.")
@@ -156,6 +163,42 @@ class Properties:
         return isinstance(other, Properties) and self.options == other.options
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like Apex's
+
+
+def _is_false(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_)) and not value
+
+
+def _optional_flag(name: str, value: Any) -> bool | None:
+    """An option that is a flag or None (the level's default)."""
+    if value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True, False or None (the level's default), got "
+                        f"{name}={value!r}.")
+    return bool(value)
+
+
+def floating_option(name: str, value: Any, others: str) -> np.dtype:
+    """The dtype option `name` (`cast_model_type`, `cast_model_outputs`) as a floating numpy
+    dtype.
+
+    Args:
+      name: the option, as the user wrote it.
+      value: its value: a floating dtype or a name of one ("bfloat16", "bf16").
+      others: the option's other accepted values, for the message.
+
+    Raises:
+      ValueError: `value` is not a floating dtype (a bool is not one, though numpy reads
+        True as its bool dtype); the message names it, the dtypes and `others`.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return canonical_floating_dtype(value, what=name)
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be a floating dtype (jnp.float16, jnp.bfloat16, jnp.float32 "
+                     f"or a name such as 'bfloat16'), {others}, got {name}={value!r}.")
 
 
 def _unknown_opt_level(value) -> RuntimeError:
@@ -183,6 +226,9 @@ def properties(opt_level: str = "O1", *, strict: bool = False, **overrides) -> P
         something other than a bool (keep_batchnorm_fp32 also takes Apex's strings "True" and
         "False").
 
+    `cast_model_type=False` is Apex's "do not cast the model" (its multi-model tests pass it):
+    kept as False, as Apex keeps it; a numpy False reads as False.
+
     Example:
       >>> from jamp.policy import properties
       >>> props = properties("O2", loss_scale="128.0")
@@ -206,5 +252,6 @@ def properties(opt_level: str = "O1", *, strict: bool = False, **overrides) -> P
 
 
 __all__ = [
-    "AmpConfigurationWarning", "OPT_LEVELS", "OPTION_NAMES", "OptLevel", "Properties", "properties"
+    "AmpConfigurationWarning", "OPT_LEVELS", "OPTION_NAMES", "OptLevel", "Properties",
+    "floating_option", "properties"
 ]
