@@ -43,7 +43,7 @@ from jamp.policy.primitives import (
 )
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
-from jamp.policy.dtypes import is_floating
+from jamp.policy.dtypes import FLOAT32, is_floating, is_half
 from jamp.transforms.autocast_rules import Region, is_castable
 from jamp.transforms.rules import region_of
 
@@ -238,6 +238,11 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
         return i
 
     for i in parent:
+        if _reads_half_activation(eqns[i]):
+            # Where the kernel reads its activation (flax casts a bfloat16 input to float32
+            # for the statistics): what produced the bfloat16 value, a cast to it included,
+            # is outside, and the result leaves in that value's dtype.
+            continue
         for v in eqns[i].invars:
             j = producer.get(v) if _is_var(v) else None
             if j in parent:
@@ -303,6 +308,12 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
             if activations:
                 exits[v] = activations
     return frozenset(epilogue - float32), exits
+
+
+def _reads_half_activation(eqn) -> bool:
+    """A cast of a half-precision value up to float32 (traced so)."""
+    return (eqn.primitive.name == "convert_element_type"
+            and is_half(eqn.invars[0].aval) and eqn.outvars[0].aval.dtype == FLOAT32)
 
 
 def _origins(jaxpr: jx.Jaxpr) -> dict:
