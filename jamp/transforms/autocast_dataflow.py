@@ -304,10 +304,21 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
             # (1, D) activation, not the (D,) scale beside it.
             same = [e for e in by_size.get(size, ()) if producer.get(e, -1) < i]
             top = max((len(e.aval.shape) for e in same), default=0)
-            activations = tuple(e for e in same if len(e.aval.shape) == top)
+            activations = tuple(_moved_from(e, eqns, producer, float32) for e in same
+                                if len(e.aval.shape) == top)
             if activations:
                 exits[v] = activations
     return frozenset(epilogue - float32), exits
+
+
+def _moved_from(var, eqns, producer: Mapping, float32: frozenset[int]):
+    """The value the float32 chain moved (transposed, reshaped) into `var`, as the program
+    holds it: a kernel that reads a bfloat16 value through a transpose reads it in float32
+    from the transpose on, and returns the value's own dtype."""
+    while _is_var(var) and (i := producer.get(var)) is not None and i in float32 and (
+            eqns[i].primitive.name in SAME_VALUES):
+        var = eqns[i].invars[0]
+    return var
 
 
 def _reads_half_activation(eqn) -> bool:

@@ -50,6 +50,8 @@ class Region:
         to another dtype are read in this one (see `entered`).
       scope: where the equations of a jaxpr evaluated in this region sit, as the precision
         rules see it (`jamp.transforms.rules.Scope`); None without rules.
+      kernel: inside a function a rule makes one kernel of torch's lists
+        (`jamp.policy.autocast_tables.Kernel`): its rule, `FP32` or `LOWER`; else None.
     """
 
     enabled: bool
@@ -60,12 +62,20 @@ class Region:
     forward: "Region | None" = None
     entry_dtype: np.dtype | None = None
     scope: Any = None
+    kernel: str | None = None
 
     def off_as_is(self) -> "Region":
         """The state of a custom_vjp bwd: autocast off, ops in their inputs' types (no
         precision rule applies inside, as no region does)."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
-                                   forward=self, entry_dtype=None, scope=None)
+                                   forward=self, entry_dtype=None, scope=None, kernel=None)
+
+    def kernel_dtype(self) -> np.dtype | None:
+        """The dtype every floating value inside a kernel of torch's lists is computed and
+        cast in (see `kernel`), where autocast is on; else None."""
+        if not self.enabled or self.kernel is None:
+            return None
+        return FLOAT32 if self.kernel == FP32 else self.dtype
 
 
 def marker(**fields) -> str:
@@ -182,9 +192,12 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
-    if float32 and region.enabled:
+    # A kernel of torch's lists casts every input to its dtype (`Region.kernel`), whatever
+    # chain it sits on.
+    kernel = region.kernel_dtype()
+    if float32 and region.enabled and kernel is None:
         return [FLOAT32 if ok else None for ok in castable]
-    fixed = _fixed_dtype(primitive_name, region, scalar_result)
+    fixed = kernel if kernel is not None else _fixed_dtype(primitive_name, region, scalar_result)
     if fixed is not None and not any(
             ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands, strict=True)):
         return [fixed if ok else None for ok in castable]

@@ -270,11 +270,18 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     facts = env.facts
     if name == "convert_element_type":
         # An explicit cast in the program is honoured as written; one to the dtype a value
-        # already has is dropped.
+        # already has is dropped. Inside a kernel of torch's lists, the library's casts
+        # between autocast's dtypes give the kernel's (its inputs' and result's).
         value = autocast.read(env, eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        outs = ([value] if value.dtype == np.dtype(new_dtype) and not weak_type
-                else jx.bind(eqn, eqn.params, [value]))
+        kernel = region.kernel_dtype()
+        if (kernel is not None and rules.is_castable(value.dtype)
+                and rules.is_castable(np.dtype(new_dtype))):
+            outs = [cast(value, kernel)]
+        elif value.dtype == np.dtype(new_dtype) and not weak_type:
+            outs = [value]
+        else:
+            outs = jx.bind(eqn, eqn.params, [value])
         facts.note(eqn, outs)
         return outs
     if name == "optimization_barrier" and region.cast_inputs is not None:
