@@ -36,7 +36,7 @@ from collections import Counter
 from typing import Mapping, Sequence, TypeGuard, cast
 
 
-from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, PROMOTE
 from jamp.policy.primitives import (
     ADDS, CHAIN, COMBINING, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SAME_VALUES, SELECTIONS,
     SUMS,
@@ -57,10 +57,13 @@ class Plan:
       exits: results of a normalization kernel (see `normalization_kernels`) that leave it in
         the dtype of the activation it normalized, each with the kernel's full-size inputs:
         the result takes their widest current dtype when that is below float32.
+      kernel_reads: per region of a function that is one promoting kernel (`Kernel(PROMOTE)`),
+        the floating values its equations read from outside it (see `kernel_reads`).
     """
 
     float32: frozenset[int]
     exits: Mapping[jx.Var, tuple[jx.Var, ...]]
+    kernel_reads: Mapping[Region, tuple[jx.Var, ...]] = dataclasses.field(default_factory=dict)
 
 
 def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
@@ -73,7 +76,25 @@ def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
         # RMSNorm centres by a constant zero mean outside the statistics' chain).
         float32 = float32_equations(jaxpr, regions, float32 | epilogue)
         epilogue, exits = normalization_kernels(jaxpr, regions, float32)
-    return Plan(float32, exits)
+    return Plan(float32, exits, kernel_reads(jaxpr, regions))
+
+
+def kernel_reads(jaxpr: jx.Jaxpr, regions: Sequence[Region]
+                 ) -> dict[Region, tuple[jx.Var, ...]]:
+    """Per region of a promoting kernel (torch's `cosine_similarity` casts its inputs to their
+    promoted dtype before it computes), the castable values its equations read that it does
+    not compute itself: its inputs, whose widest dtype it computes in."""
+    reads: dict[Region, dict] = {}
+    inside: dict[Region, set] = {}
+    for eqn, region in zip(jaxpr.eqns, regions, strict=True):
+        if region.kernel != PROMOTE:
+            continue
+        computed = inside.setdefault(region, set())
+        found = reads.setdefault(region, {})
+        found.update((v, None) for v in eqn.invars
+                     if _is_var(v) and _castable(v) and v not in computed)
+        computed.update(eqn.outvars)
+    return {region: tuple(found) for region, found in reads.items()}
 
 
 def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region],

@@ -50,8 +50,9 @@ class Region:
         to another dtype are read in this one (see `entered`).
       scope: where the equations of a jaxpr evaluated in this region sit, as the precision
         rules see it (`jamp.transforms.rules.Scope`); None without rules.
-      kernel: inside a function a rule makes one kernel of torch's lists
-        (`jamp.policy.autocast_tables.Kernel`): its rule, `FP32` or `LOWER`; else None.
+      kernel: inside a function a rule makes one torch kernel
+        (`jamp.policy.autocast_tables.Kernel`): its rule, `FP32`, `LOWER` or `PROMOTE`;
+        else None.
     """
 
     enabled: bool
@@ -69,13 +70,6 @@ class Region:
         precision rule applies inside, as no region does)."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
                                    forward=self, entry_dtype=None, scope=None, kernel=None)
-
-    def kernel_dtype(self) -> np.dtype | None:
-        """The dtype every floating value inside a kernel of torch's lists is computed and
-        cast in (see `kernel`), where autocast is on; else None."""
-        if not self.enabled or self.kernel is None:
-            return None
-        return FLOAT32 if self.kernel == FP32 else self.dtype
 
 
 def marker(**fields) -> str:
@@ -167,8 +161,8 @@ class Operand:
 
 def input_targets(primitive_name: str, region: Region, operands: Sequence[Operand], *,
                   float32: bool = False, traced_only: bool = False,
-                  wide_values: bool = False, scalar_result: bool = False
-                  ) -> list[np.dtype | None]:
+                  wide_values: bool = False, scalar_result: bool = False,
+                  kernel: np.dtype | None = None) -> list[np.dtype | None]:
     """The dtype each input is cast to (None: left as is).
 
     Args:
@@ -181,6 +175,8 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
         it, so a float32 operand is never rounded down to meet a float64 one, and the parts of
         a complex number (`lax.complex`, which takes float32 or float64) keep their type.
       scalar_result: the equation sums arrays to one number (`OpTable.scalar_results`).
+      kernel: inside a torch kernel (`Region.kernel`), its dtype: every input is cast to it,
+        whatever chain the equation sits on.
     """
     castable = [o.castable for o in operands]
     traced = [o.traced for o in operands]
@@ -192,9 +188,6 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
-    # A kernel of torch's lists casts every input to its dtype (`Region.kernel`), whatever
-    # chain it sits on.
-    kernel = region.kernel_dtype()
     if float32 and region.enabled and kernel is None:
         return [FLOAT32 if ok else None for ok in castable]
     fixed = kernel if kernel is not None else _fixed_dtype(primitive_name, region, scalar_result)

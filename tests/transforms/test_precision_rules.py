@@ -503,3 +503,17 @@ def test_prelu_is_one_lower_precision_kernel(device_type, low):
         computed = {d for _, name, ins, _ in ops(transformed, X)
                     if name != "convert_element_type" for d in ins}
         assert computed == {low}
+
+
+def test_cosine_similarity_promotes_its_inputs_before_it_computes():
+    # torch's CPU cosine_similarity casts its inputs to their promoted dtype, then computes:
+    # two bfloat16 activations give bfloat16; a bfloat16 input the program typed beside a
+    # float32 one computes both norms in float32. Before: float32 for the first (values
+    # autocast lowered read back in float32), the bfloat16 norm in bfloat16 for the second.
+    cos = lambda f: jamp.autocast(f, device_type="cpu", cast_outputs=False)
+    both = cos(lambda x, w: optax.cosine_similarity(x @ w, x @ w))
+    assert jax.eval_shape(both, X, W).dtype == BF16
+    typed = cos(lambda x: optax.cosine_similarity(x.astype(BF16), x))
+    assert jax.eval_shape(typed, X).dtype == F32
+    assert {d for _, name, ins, _ in ops(typed, X) if name != "convert_element_type"
+            for d in ins} == {F32}
