@@ -36,9 +36,9 @@ The defaults follow torch's autocast op reference for each device, mapped to the
 A table also holds *function rules* (`OpTable.functions`): library functions whose kernel torch's
 lists name but that JAX writes as several primitives a jaxpr cannot tell from other code
 (`optax.ctc_loss`'s one-hot matmuls, `jnp.quantile`'s sort and interpolation, optax's losses left
-unreduced, `scalar / x`). autocast matches them by the function on each equation's traceback and
-runs what they compute with the setting given (see `jamp.autocast`'s `rules=`), after the
-user's own rules.
+unreduced, `scalar / x`, flax's `PReLU`). autocast matches them by the function on each
+equation's traceback and runs what they compute with the setting given (see `jamp.autocast`'s
+`rules=`), after the user's own rules: most are one `Kernel` of torch's list.
 
 Extend or override a table with `OpTable.updated` / `OpTable.without` and pass it to
 `jamp.autocast(..., op_table=...)`:
@@ -80,13 +80,14 @@ Rule = Union[str, np.dtype]
 # What a precision rule (`jamp.autocast(..., rules=...)`, `OpTable.functions`) sets for the
 # equations it matches: a dtype autocast can use, `OFF` (autocast off: the program's own
 # dtypes), `ON` (the transform's own dtype and table, no rule: an exception carved out of a
-# wider rule), an `OpTable`, or op rules to change in the table that applies (`OpRules`).
+# wider rule), an `OpTable`, op rules to change in the table that applies (`OpRules`), or a
+# `Kernel` of one of torch's lists.
 OFF = "off"
 ON = "on"
 # The dtypes autocast can use, named in torch's order (float16, bfloat16, float32).
 _ACCEPTED = ", ".join(d.name for d in sorted(AUTOCAST_DTYPES,
                                               key=lambda d: (d.itemsize, d.name[0] == "b")))
-Setting = Union[str, np.dtype, "OpTable", "OpRules"]
+Setting = Union[str, np.dtype, "OpTable", "OpRules", "Kernel"]
 
 # torch: __matmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul multi_dot mm mv linear matmul
 # prelu (its matmul), conv*/conv_transpose*, RNN cells (their matmuls); scaled_dot_product_attention
@@ -283,6 +284,35 @@ def _applied(rules: OpRules, table: "OpTable") -> "OpTable":
                          ).without(*dropped)
 
 
+# A kernel that casts its inputs to their promoted dtype before it computes (`Kernel`).
+PROMOTE = "promote"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A function that is one torch kernel (a function rule's setting).
+
+    torch casts a listed kernel's floating inputs to the list's dtype, whatever dtype they
+    have, and the kernel returns that dtype; some kernels on no list cast their inputs to
+    their promoted dtype first. JAX libraries write such a kernel (`jnp.quantile`,
+    `optax.sigmoid_binary_cross_entropy`, flax's `PReLU`) as several primitives, casting
+    their inputs to one another's dtype and their result back to their inputs'. Where the
+    function matches, every floating input of every op it computes is cast to the kernel's
+    dtype, and its own casts between autocast's dtypes give that dtype.
+
+    Attributes:
+      rule: `FP32` (float32), `LOWER` (the autocast dtype that applies) or `PROMOTE` (the
+        widest dtype among the floating values the function reads, Python scalars aside).
+    """
+
+    rule: str
+
+    def __post_init__(self):
+        if self.rule not in (FP32, LOWER, PROMOTE):
+            raise ValueError(f"Kernel rule {self.rule!r}: expected {FP32!r}, {LOWER!r} or "
+                             f"{PROMOTE!r}.")
+
+
 def check_autocast_dtype(dtype) -> np.dtype:
     """Validates an autocast dtype: float16, bfloat16 or float32.
 
@@ -305,13 +335,14 @@ def check_autocast_dtype(dtype) -> np.dtype:
 
 def check_setting(setting: Any, rule: Any) -> Setting:
     """Validates what a precision rule sets: a dtype autocast can use (any spelling, returned as
-    a numpy dtype), "off", "on", an `OpTable`, or a dict of op rules (returned as `OpRules`).
+    a numpy dtype), "off", "on", an `OpTable`, a `Kernel`, or a dict of op rules (returned as
+    `OpRules`).
 
     Raises:
       ValueError: naming the rule, the value and the accepted forms (a dict's bad primitive
         name or rule as `OpTable` names them).
     """
-    if isinstance(setting, (OpTable, OpRules)) or (isinstance(setting, str)
+    if isinstance(setting, (OpTable, OpRules, Kernel)) or (isinstance(setting, str)
                                                    and setting in (OFF, ON)):
         return setting
     if isinstance(setting, Mapping):
@@ -346,29 +377,33 @@ def _table(device_type: str, dtype, fp32_ops, accumulate_ops=(), statistics_ops=
 
 # Function rules: library functions whose kernel torch's lists name but that JAX writes as
 # several primitives, matched by the function on an equation's traceback.
-#
-# torch's float32 lists (CPU and CUDA) hold the losses, reduced or not: optax's losses compute
-# in float32 (a sum to one number, `scalar_results`, catches only the reduced ones; optax's CTC
-# alignment is one-hot matmuls, which would lower).
-_LOSS_FUNCTIONS = tuple((f"optax.losses.{name}", "float32") for name in (
+_FLOAT32_KERNEL = Kernel(FP32)
+_LOWER_KERNEL = Kernel(LOWER)
+# torch's float32 lists (CPU and CUDA) hold the losses, reduced or not: optax's losses are
+# float32 kernels (a sum to one number, `scalar_results`, catches only the reduced ones;
+# optax's CTC alignment is one-hot matmuls, which would lower). torch's lower-precision lists
+# hold prelu, which flax writes as a select of a product: no matmul says so.
+_LIST_FUNCTIONS = tuple((f"optax.losses.{name}", _FLOAT32_KERNEL) for name in (
     "ctc_loss", "ctc_loss_with_forward_probs", "sigmoid_binary_cross_entropy",
     "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels",
     "safe_softmax_cross_entropy", "kl_divergence", "kl_divergence_with_log_targets",
     "huber_loss", "squared_error", "l2_loss", "hinge_loss", "multiclass_hinge_loss",
-    "triplet_margin_loss"))
+    "triplet_margin_loss")) + (
+    ("flax.linen.PReLU", _LOWER_KERNEL), ("flax.nnx.PReLU", _LOWER_KERNEL))
 # torch's CPU float32 list: quantile and nanquantile (a sort and an interpolation in JAX), the
 # reflection and replication pads (jnp.pad in any mode: a rule names a function, not its
 # arguments). cosine_similarity is on no CPU list, but torch's kernel promotes its inputs before
-# it computes: optax's runs as written, not on each input's own dtype.
-_CPU_FUNCTIONS = _LOSS_FUNCTIONS + (
-    ("jax.numpy.quantile", "float32"), ("jax.numpy.nanquantile", "float32"),
-    ("jax.numpy.pad", "float32"), ("optax.losses.cosine_similarity", OFF),
+# it computes, not each input's norm on its own dtype.
+_CPU_FUNCTIONS = _LIST_FUNCTIONS + (
+    ("jax.numpy.quantile", _FLOAT32_KERNEL), ("jax.numpy.nanquantile", _FLOAT32_KERNEL),
+    ("jax.numpy.pad", _FLOAT32_KERNEL), ("optax.losses.cosine_similarity", Kernel(PROMOTE)),
 )
 # torch's CUDA float32 list: __rtruediv__ (`scalar / x`: a `div`, which also implements
 # ordinary division) and cosine_similarity. jax.nn.gelu's tanh form is built on `x ** 3`, and
 # torch runs gelu as one low-precision kernel: there `integer_pow` follows its input.
-_CUDA_FUNCTIONS = (("jax.nn.gelu", OpRules.of({"integer_pow": None})),) + _LOSS_FUNCTIONS + (
-    ("jax.Array.__rtruediv__", "float32"), ("optax.losses.cosine_similarity", "float32"),
+_CUDA_FUNCTIONS = (("jax.nn.gelu", OpRules.of({"integer_pow": None})),) + _LIST_FUNCTIONS + (
+    ("jax.Array.__rtruediv__", _FLOAT32_KERNEL),
+    ("optax.losses.cosine_similarity", _FLOAT32_KERNEL),
 )
 
 DEFAULT_TABLES: Mapping[str, OpTable] = MappingProxyType({
@@ -425,5 +460,6 @@ def autocast_table(device_type: str) -> OpTable:
 __all__ = [
     "ACCEPTED_DEVICE_TYPES", "ACCUMULATE_FP32", "autocast_table", "canonical_device_type",
     "check_autocast_dtype", "check_setting", "DEFAULT_TABLES", "DEVICE_ALIASES", "FP32",
-    "FP32_STATISTICS", "LOWER", "OFF", "ON", "OpRules", "OpTable", "Rule", "RULES", "Setting"
+    "FP32_STATISTICS", "Kernel", "LOWER", "OFF", "ON", "OpRules", "OpTable", "PROMOTE", "Rule",
+    "RULES", "Setting"
 ]

@@ -36,14 +36,14 @@ from collections import Counter
 from typing import Mapping, Sequence, TypeGuard, cast
 
 
-from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER
+from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, PROMOTE
 from jamp.policy.primitives import (
     ADDS, CHAIN, COMBINING, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SAME_VALUES, SELECTIONS,
     SUMS,
 )
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
-from jamp.policy.dtypes import is_floating
+from jamp.policy.dtypes import FLOAT32, is_floating, is_half
 from jamp.transforms.autocast_rules import Region, is_castable
 from jamp.transforms.rules import region_of
 
@@ -57,10 +57,13 @@ class Plan:
       exits: results of a normalization kernel (see `normalization_kernels`) that leave it in
         the dtype of the activation it normalized, each with the kernel's full-size inputs:
         the result takes their widest current dtype when that is below float32.
+      kernel_reads: per region of a function that is one promoting kernel (`Kernel(PROMOTE)`),
+        the floating values its equations read from outside it (see `kernel_reads`).
     """
 
     float32: frozenset[int]
     exits: Mapping[jx.Var, tuple[jx.Var, ...]]
+    kernel_reads: Mapping[Region, tuple[jx.Var, ...]] = dataclasses.field(default_factory=dict)
 
 
 def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
@@ -73,7 +76,25 @@ def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
         # RMSNorm centres by a constant zero mean outside the statistics' chain).
         float32 = float32_equations(jaxpr, regions, float32 | epilogue)
         epilogue, exits = normalization_kernels(jaxpr, regions, float32)
-    return Plan(float32, exits)
+    return Plan(float32, exits, kernel_reads(jaxpr, regions))
+
+
+def kernel_reads(jaxpr: jx.Jaxpr, regions: Sequence[Region]
+                 ) -> dict[Region, tuple[jx.Var, ...]]:
+    """Per region of a promoting kernel (torch's `cosine_similarity` casts its inputs to their
+    promoted dtype before it computes), the castable values its equations read that it does
+    not compute itself: its inputs, whose widest dtype it computes in."""
+    reads: dict[Region, dict] = {}
+    inside: dict[Region, set] = {}
+    for eqn, region in zip(jaxpr.eqns, regions, strict=True):
+        if region.kernel != PROMOTE:
+            continue
+        computed = inside.setdefault(region, set())
+        found = reads.setdefault(region, {})
+        found.update((v, None) for v in eqn.invars
+                     if _is_var(v) and _castable(v) and v not in computed)
+        computed.update(eqn.outvars)
+    return {region: tuple(found) for region, found in reads.items()}
 
 
 def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region],
@@ -238,6 +259,11 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
         return i
 
     for i in parent:
+        if _reads_half_activation(eqns[i]):
+            # Where the kernel reads its activation (flax casts a bfloat16 input to float32
+            # for the statistics): what produced the bfloat16 value, a cast to it included,
+            # is outside, and the result leaves in that value's dtype.
+            continue
         for v in eqns[i].invars:
             j = producer.get(v) if _is_var(v) else None
             if j in parent:
@@ -299,10 +325,27 @@ def normalization_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region], float32: f
             # (1, D) activation, not the (D,) scale beside it.
             same = [e for e in by_size.get(size, ()) if producer.get(e, -1) < i]
             top = max((len(e.aval.shape) for e in same), default=0)
-            activations = tuple(e for e in same if len(e.aval.shape) == top)
+            activations = tuple(_moved_from(e, eqns, producer, float32) for e in same
+                                if len(e.aval.shape) == top)
             if activations:
                 exits[v] = activations
     return frozenset(epilogue - float32), exits
+
+
+def _moved_from(var, eqns, producer: Mapping, float32: frozenset[int]):
+    """The value the float32 chain moved (transposed, reshaped) into `var`, as the program
+    holds it: a kernel that reads a bfloat16 value through a transpose reads it in float32
+    from the transpose on, and returns the value's own dtype."""
+    while _is_var(var) and (i := producer.get(var)) is not None and i in float32 and (
+            eqns[i].primitive.name in SAME_VALUES):
+        var = eqns[i].invars[0]
+    return var
+
+
+def _reads_half_activation(eqn) -> bool:
+    """A cast of a half-precision value up to float32 (traced so)."""
+    return (eqn.primitive.name == "convert_element_type"
+            and is_half(eqn.invars[0].aval) and eqn.outvars[0].aval.dtype == FLOAT32)
 
 
 def _origins(jaxpr: jx.Jaxpr) -> dict:

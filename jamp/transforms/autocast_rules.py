@@ -50,6 +50,9 @@ class Region:
         to another dtype are read in this one (see `entered`).
       scope: where the equations of a jaxpr evaluated in this region sit, as the precision
         rules see it (`jamp.transforms.rules.Scope`); None without rules.
+      kernel: inside a function a rule makes one torch kernel
+        (`jamp.policy.autocast_tables.Kernel`): its rule, `FP32`, `LOWER` or `PROMOTE`;
+        else None.
     """
 
     enabled: bool
@@ -60,12 +63,13 @@ class Region:
     forward: "Region | None" = None
     entry_dtype: np.dtype | None = None
     scope: Any = None
+    kernel: str | None = None
 
     def off_as_is(self) -> "Region":
         """The state of a custom_vjp bwd: autocast off, ops in their inputs' types (no
         precision rule applies inside, as no region does)."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
-                                   forward=self, entry_dtype=None, scope=None)
+                                   forward=self, entry_dtype=None, scope=None, kernel=None)
 
 
 def marker(**fields) -> str:
@@ -157,8 +161,8 @@ class Operand:
 
 def input_targets(primitive_name: str, region: Region, operands: Sequence[Operand], *,
                   float32: bool = False, traced_only: bool = False,
-                  wide_values: bool = False, scalar_result: bool = False
-                  ) -> list[np.dtype | None]:
+                  wide_values: bool = False, scalar_result: bool = False,
+                  kernel: np.dtype | None = None) -> list[np.dtype | None]:
     """The dtype each input is cast to (None: left as is).
 
     Args:
@@ -171,6 +175,8 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
         it, so a float32 operand is never rounded down to meet a float64 one, and the parts of
         a complex number (`lax.complex`, which takes float32 or float64) keep their type.
       scalar_result: the equation sums arrays to one number (`OpTable.scalar_results`).
+      kernel: inside a torch kernel (`Region.kernel`), its dtype: every input is cast to it,
+        whatever chain the equation sits on.
     """
     castable = [o.castable for o in operands]
     traced = [o.traced for o in operands]
@@ -182,9 +188,9 @@ def input_targets(primitive_name: str, region: Region, operands: Sequence[Operan
     if (traced_only or wide_values or primitive_name in PINNED
             or (not region.enabled and not region.as_is)):
         return [t if ok else None for ok, t in zip(castable, traced, strict=True)]
-    if float32 and region.enabled:
+    if float32 and region.enabled and kernel is None:
         return [FLOAT32 if ok else None for ok in castable]
-    fixed = _fixed_dtype(primitive_name, region, scalar_result)
+    fixed = kernel if kernel is not None else _fixed_dtype(primitive_name, region, scalar_result)
     if fixed is not None and not any(
             ok and overflows(o.constant, fixed) for ok, o in zip(castable, operands, strict=True)):
         return [fixed if ok else None for ok in castable]

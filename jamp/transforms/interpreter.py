@@ -19,8 +19,10 @@ and loop carry types survive:
   forward sees the dtypes its inputs arrive in.
 
 Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that compute the operands
-of a float32 op (they run in float32 too) and the results of normalization kernels (cast to
-their activation's dtype as they leave). While it is evaluated, passes (`autocast_facts`) keep
+of a float32 op (they run in float32 too), the results of normalization kernels (cast to
+their activation's dtype as they leave) and the values a promoting function kernel reads (see
+`jamp.policy.autocast_tables.Kernel`: a function a rule makes one torch kernel computes every op
+in the kernel's dtype). While it is evaluated, passes (`autocast_facts`) keep
 what is known of its values: which are constants of the program, which are scalar-like, which
 are weights, and which hold the low values of a linear layer's kernel. A weight that such a
 value is added to as a bias, or that it scales or gates, follows its dtype.
@@ -40,6 +42,7 @@ from jax import lax
 
 from jamp import _jax_internals as jx
 from jamp.policy import dtypes, primitives
+from jamp.policy.autocast_tables import FP32, LOWER
 from jamp.transforms import autocast_dataflow as dataflow
 from jamp.transforms import autocast_facts
 from jamp.transforms import autocast_rules as rules
@@ -268,13 +271,20 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     name = eqn.primitive.name
     region = env.eqn_region
     facts = env.facts
+    kernel = _kernel_dtype(autocast, env, region)
     if name == "convert_element_type":
         # An explicit cast in the program is honoured as written; one to the dtype a value
-        # already has is dropped.
+        # already has is dropped. Inside a torch kernel, the library's casts between
+        # autocast's dtypes give the kernel's (its inputs' and result's).
         value = autocast.read(env, eqn.invars[0])
         new_dtype, weak_type = jx.convert_target(eqn)
-        outs = ([value] if value.dtype == np.dtype(new_dtype) and not weak_type
-                else jx.bind(eqn, eqn.params, [value]))
+        if (kernel is not None and rules.is_castable(value.dtype)
+                and rules.is_castable(np.dtype(new_dtype))):
+            outs = [cast(value, kernel)]
+        elif value.dtype == np.dtype(new_dtype) and not weak_type:
+            outs = [value]
+        else:
+            outs = jx.bind(eqn, eqn.params, [value])
         facts.note(eqn, outs)
         return outs
     if name == "optimization_barrier" and region.cast_inputs is not None:
@@ -299,7 +309,7 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     targets = rules.input_targets(
         name, region, operands, float32=env.index in env.plan.float32,
         traced_only=jx.declares_result_types(eqn.params), wide_values=wide,
-        scalar_result=scalar)
+        scalar_result=scalar, kernel=kernel)
     # A bias is a weight, but an argument taken for one may be an additive mask full of
     # finfo(float32).min: narrowed, it saturates rather than becoming -inf (a real bias that
     # large would overflow the layer's result anyway). A scale is cast plainly.
@@ -326,6 +336,20 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     outs = jx.bind(eqn, params, invals)
     facts.note(eqn, outs)
     return outs
+
+
+def _kernel_dtype(autocast: Autocast, env: _Evaluation, region: Region) -> np.dtype | None:
+    """The dtype of the torch kernel an equation sits in (`Region.kernel`), where autocast is
+    on; else None. A promoting kernel's is the widest current dtype of the values it reads
+    (Python scalars follow)."""
+    if not region.enabled or region.kernel is None:
+        return None
+    if region.kernel == FP32:
+        return dtypes.FLOAT32
+    if region.kernel == LOWER:
+        return region.dtype
+    return rules.widest(autocast.read(env, v).dtype for v in env.plan.kernel_reads[region]
+                        if v in env.values and not env.facts.scalar_likes.follows(v))
 
 
 def _opaque(eqn, invals) -> list[Any]:

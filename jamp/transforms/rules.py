@@ -43,7 +43,8 @@ from fnmatch import fnmatchcase
 from typing import Any, Iterable, Mapping, Sequence
 
 from jamp import _jax_internals as jx
-from jamp.policy.autocast_tables import OFF, ON, OpRules, OpTable, Setting, check_setting
+from jamp.policy.autocast_tables import (
+    OFF, ON, Kernel, OpRules, OpTable, Setting, check_setting)
 from jamp.transforms.autocast_rules import MARKER_PREFIX, Region, apply_markers, parse_markers
 
 _NONE: frozenset[int] = frozenset()
@@ -219,9 +220,12 @@ class Rule:
             changes = dict(enabled=True, table=setting)
         elif isinstance(setting, OpRules):
             changes = dict(enabled=True, table=setting.applied_to(region.table))
+        elif isinstance(setting, Kernel):
+            changes = dict(enabled=True, kernel=setting.rule)
         else:
             changes = dict(enabled=True, dtype=setting, entry_dtype=setting)
-        return dataclasses.replace(region, **{"as_is": False, "entry_dtype": None, **changes})
+        return dataclasses.replace(
+            region, **{"as_is": False, "entry_dtype": None, "kernel": None, **changes})
 
 
 class RuleSet:

@@ -274,6 +274,31 @@ def _layer_norm(x, w, b, eps=1e-5):
     return (x - mean) * lax.rsqrt(var + eps) * w + b
 
 
+# Flax's normalizations take channels last; torch's (N, C, ...) data is moved there and back.
+
+def _flax_layer_norm(x, w, b):
+    return nn.LayerNorm(epsilon=1e-5).apply({"params": {"scale": w, "bias": b}}, x)
+
+
+def _flax_group_norm(x, w, b):
+    norm = nn.GroupNorm(num_groups=2, epsilon=1e-5)
+    return jnp.moveaxis(norm.apply({"params": {"scale": w, "bias": b}}, jnp.moveaxis(x, 1, -1)),
+                        -1, 1)
+
+
+def _flax_batch_norm_train(x, w, b):
+    norm = nn.BatchNorm(use_running_average=False, epsilon=1e-5)
+    stats = {"mean": jnp.zeros(w.shape), "var": jnp.ones(w.shape)}
+    y, _ = norm.apply({"params": {"scale": w, "bias": b}, "batch_stats": stats},
+                      jnp.moveaxis(x, 1, -1), mutable=["batch_stats"])
+    return jnp.moveaxis(y, -1, 1)
+
+
+def _flax_prelu(x, w):
+    # Flax's PReLU has one slope: torch's weight of one element.
+    return nn.PReLU().apply({"params": {"negative_slope": w[0]}}, x)
+
+
 def _renorm(x, maxnorm=1.0):
     norms = jnp.linalg.norm(x, axis=1, keepdims=True)
     return x * jnp.where(norms > maxnorm, maxnorm / (norms + 1e-7), 1.0)
@@ -338,9 +363,8 @@ CASES = [
     Case("mkldnn_rnn_layer", "lower",  # one LSTM layer over a sequence (torch.nn.LSTM's op)
          lambda t, x, h, c, *w: t.lstm(x, (h, c), w, True, 1, 0.0, False, False, False),
          _lstm_layer, normals(*LSTM), cuda="lower"),  # CUDA: _cudnn_rnn, cast to float16
-    Case("prelu", "lower", lambda t, x, w: F(t).prelu(x, w),
-         lambda x, w: jnp.where(x >= 0, x, w[:, None] * x), normals((2, 3, 4), (3,)),
-         cuda="lower"),
+    Case("prelu", "lower", lambda t, x, w: F(t).prelu(x, w), _flax_prelu,
+         normals((2, 3, 4), (1,)), cuda="lower"),
     Case("scaled_dot_product_attention", "lower",
          lambda t, q, k, v: F(t).scaled_dot_product_attention(q, k, v), _sdpa,
          normals((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3, 4)), low=(0, 1, 2), cuda="lower"),
@@ -416,6 +440,11 @@ CASES = [
          lambda x: jnp.quantile(x, 0.3, axis=-1), normal(3, 5)),
     Case("nanquantile", "fp32", lambda t, x: t.nanquantile(x, 0.3, dim=-1),
          lambda x: jnp.nanquantile(x, 0.3, axis=-1), with_nans(3, 5)),
+    Case("quantile/typed", "fp32", lambda t, x, q: t.quantile(x, q, dim=-1),
+         lambda x, q: jnp.quantile(x, q, axis=-1), join(normal(3, 5), uniform(0.2, 0.8, 1)),
+         typed=True),
+    Case("nanquantile/typed", "fp32", lambda t, x: t.nanquantile(x, 0.3, dim=-1),
+         lambda x: jnp.nanquantile(x, 0.3, axis=-1), with_nans(3, 5), typed=True),
     Case("trace", "fp32", lambda t, x: t.trace(x), jnp.trace, normal(4, 4)),
     Case("cdist", "fp32", lambda t, a, b: t.cdist(a, b),
          lambda a, b: jnp.sqrt(jnp.sum((a[:, None] - b[None]) ** 2, -1)),
@@ -442,10 +471,10 @@ CASES = [
          lambda x: x[..., 0] + 1j * x[..., 1], normal(3, 4, 2)),
     # -- linear algebra
     Case("cholesky", "fp32", lambda t, a: t.cholesky(a), jnp.linalg.cholesky, spd(4)),
-    Case("cholesky_inverse", "fp32", lambda t, l: t.cholesky_inverse(l),
-         lambda l: jsp.linalg.cho_solve((l, True), jnp.eye(4)), cholesky_factor(4)),
-    Case("cholesky_solve", "fp32", lambda t, b, l: t.cholesky_solve(b, l),
-         lambda b, l: jsp.linalg.cho_solve((l, True), b), join(normal(4, 2), cholesky_factor(4))),
+    Case("cholesky_inverse", "fp32", lambda t, c: t.cholesky_inverse(c),
+         lambda c: jsp.linalg.cho_solve((c, True), jnp.eye(4)), cholesky_factor(4)),
+    Case("cholesky_solve", "fp32", lambda t, b, c: t.cholesky_solve(b, c),
+         lambda b, c: jsp.linalg.cho_solve((c, True), b), join(normal(4, 2), cholesky_factor(4))),
     Case("inverse", "fp32", lambda t, a: t.inverse(a), jnp.linalg.inv, invertible(4, 4)),
     Case("lu_solve", "fp32", lambda t, b, lu, piv: t.lu_solve(b, lu, (piv + 1).int()),
          lambda b, lu, piv: jsp.linalg.lu_solve((lu, piv), b), lu_inputs),
@@ -506,6 +535,14 @@ CASES = [
          lambda t, x, y: F(t).binary_cross_entropy_with_logits(x, y),
          lambda x, y: optax.sigmoid_binary_cross_entropy(x, y).mean(),
          join(normal(3, 4), uniform(0, 1, 3, 4)), cuda="fp32"),
+    Case("binary_cross_entropy_with_logits/none", "fp32",
+         lambda t, x, y: F(t).binary_cross_entropy_with_logits(x, y, reduction="none"),
+         optax.sigmoid_binary_cross_entropy, join(normal(3, 4), uniform(0, 1, 3, 4)),
+         cuda="fp32"),
+    Case("binary_cross_entropy_with_logits/none/typed", "fp32",
+         lambda t, x, y: F(t).binary_cross_entropy_with_logits(x, y, reduction="none"),
+         optax.sigmoid_binary_cross_entropy, join(normal(3, 4), uniform(0, 1, 3, 4)),
+         cuda="fp32", typed=True),
     Case("mse_loss", "fp32", lambda t, a, b: F(t).mse_loss(a, b),
          lambda a, b: jnp.mean((a - b) ** 2), normals((3, 4), (3, 4)), cuda="fp32"),
     Case("l1_loss", "fp32", lambda t, a, b: F(t).l1_loss(a, b),
@@ -518,6 +555,12 @@ CASES = [
     Case("cross_entropy_loss", "fp32", lambda t, x, y: F(t).cross_entropy(x, y),
          lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean(),
          join(normal(3, 5), labels(5, 3)), cuda="fp32"),
+    Case("cross_entropy_probs", "fp32", lambda t, x, p: F(t).cross_entropy(x, p),
+         lambda x, p: optax.softmax_cross_entropy(x, p).mean(), join(normal(3, 5), probs(3, 5)),
+         cuda="fp32"),
+    Case("cross_entropy_probs/typed", "fp32",
+         lambda t, x, p: F(t).cross_entropy(x, p, reduction="none"), optax.softmax_cross_entropy,
+         join(normal(3, 5), probs(3, 5)), low=(0, 1), cuda="fp32", typed=True),
     Case("nll_loss", "fp32", lambda t, x, y: F(t).nll_loss(x, y), _nll,
          join(log_probs(3, 5), labels(5, 3)), cuda="fp32"),
     Case("nll_loss2d", "fp32", lambda t, x, y: F(t).nll_loss(x, y), _nll,
@@ -538,6 +581,15 @@ CASES = [
     Case("margin_ranking_loss", "fp32", lambda t, a, b, y: F(t).margin_ranking_loss(a, b, y),
          lambda a, b, y: jnp.mean(jax.nn.relu(-y * (a - b))),
          join(normals((5,), (5,)), signs(5)), cuda="fp32"),
+    # max(0, 1 - y * (a - b)): optax's hinge loss of the difference.
+    Case("margin_ranking_loss/optax", "fp32",
+         lambda t, a, b, y: F(t).margin_ranking_loss(a, b, y, reduction="none"),
+         lambda a, b, y: optax.hinge_loss(a - b, y), join(normals((5,), (5,)), signs(5)),
+         cuda="fp32"),
+    Case("margin_ranking_loss/optax/typed", "fp32",
+         lambda t, a, b, y: F(t).margin_ranking_loss(a, b, y),
+         lambda a, b, y: optax.hinge_loss(a - b, y).mean(), join(normals((5,), (5,)), signs(5)),
+         low=(0, 1, 2), cuda="fp32", typed=True),
     Case("soft_margin_loss", "fp32", lambda t, x, y: F(t).soft_margin_loss(x, y),
          lambda x, y: jnp.mean(jax.nn.softplus(-y * x)), join(normal(3, 4), signs(3, 4)),
          cuda="fp32"),
@@ -629,6 +681,14 @@ CASES = [
     Case("cosine_similarity", "none", lambda t, a, b: F(t).cosine_similarity(a, b, dim=-1),
          lambda a, b: optax.cosine_similarity(a, b, epsilon=1e-8), normals((3, 4), (3, 4)),
          cuda="fp32"),
+    Case("cosine_similarity/both", "none",
+         lambda t, a, b: F(t).cosine_similarity(a, b, dim=-1),
+         lambda a, b: optax.cosine_similarity(a, b, epsilon=1e-8), normals((3, 4), (3, 4)),
+         low=(0, 1), cuda="fp32"),
+    Case("cosine_similarity/typed", "none",
+         lambda t, a, b: F(t).cosine_similarity(a, b, dim=-1),
+         lambda a, b: optax.cosine_similarity(a, b, epsilon=1e-8), normals((3, 4), (3, 4)),
+         cuda="fp32", typed=True),
     Case("renorm", "none", lambda t, x: t.renorm(x, 2, 0, 1.0), _renorm, normal(3, 4),
          cuda="fp32"),
     Case("interpolate", "none",
@@ -747,6 +807,20 @@ CASES = [
     Case("batch_norm_train", "none",
          lambda t, x, w, b: F(t).batch_norm(x, None, None, w, b, training=True),
          _batch_norm_train, normals((2, 3, 4), (3,), (3,))),
+    Case("layer_norm/flax", "none", lambda t, x, w, b: F(t).layer_norm(x, (4,), w, b),
+         _flax_layer_norm, normals((3, 4), (4,), (4,)), cuda="fp32"),
+    Case("layer_norm/flax/typed", "none", lambda t, x, w, b: F(t).layer_norm(x, (4,), w, b),
+         _flax_layer_norm, normals((3, 4), (4,), (4,)), cuda="fp32", typed=True),
+    Case("group_norm/flax", "none", lambda t, x, w, b: F(t).group_norm(x, 2, w, b),
+         _flax_group_norm, normals((2, 4, 3), (4,), (4,)), cuda="fp32"),
+    Case("group_norm/flax/typed", "none", lambda t, x, w, b: F(t).group_norm(x, 2, w, b),
+         _flax_group_norm, normals((2, 4, 3), (4,), (4,)), cuda="fp32", typed=True),
+    Case("batch_norm_train/flax", "none",
+         lambda t, x, w, b: F(t).batch_norm(x, None, None, w, b, training=True),
+         _flax_batch_norm_train, normals((2, 3, 4), (3,), (3,))),
+    Case("batch_norm_train/flax/typed", "none",
+         lambda t, x, w, b: F(t).batch_norm(x, None, None, w, b, training=True),
+         _flax_batch_norm_train, normals((2, 3, 4), (3,), (3,)), typed=True),
     Case("rms_norm", "none", lambda t, x, w: F(t).rms_norm(x, (4,), w, eps=1e-6),
          lambda x, w: x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w,
          normals((3, 4), (4,))),

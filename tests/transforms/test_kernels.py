@@ -87,6 +87,28 @@ def test_norm_of_a_float32_activation_is_float32():
     assert cpu(model.apply)(variables, ACT).dtype == F32
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("norm", ["LayerNorm", "GroupNorm", "BatchNorm", "RMSNorm"])
+def test_cpu_norm_of_a_bfloat16_typed_activation_returns_bfloat16(norm, transposed):
+    # torch's CPU norms of a bfloat16 tensor with float32 weights return bfloat16 whether the
+    # bfloat16 came from autocast or from the program (here a cast to it). Flax casts a
+    # bfloat16 input to float32 for its statistics: that cast is the kernel's own, not where
+    # the activation comes from; nor is a transpose that the statistics' float32 chain moves
+    # it through (channels moved last for flax). Before: float32.
+    model = NORMS[norm]()
+    x = ACT.reshape(4, 2, 64) if transposed else ACT
+    move = (lambda x: jnp.swapaxes(x, 0, 1)) if transposed else (lambda x: x)
+    variables = model.init(jax.random.key(1), move(x))
+    apply = lambda v, x: model.apply(v, move(x.astype(BF16)), mutable=["batch_stats"])
+    out, stats = jax.eval_shape(cpu(apply), variables, x)
+    assert out.dtype == BF16
+    assert {a.dtype for a in jax.tree.leaves(stats)} <= {F32}
+    # The cuda table keeps its float32 results (torch's CUDA list holds layer_norm).
+    if norm == "LayerNorm":
+        cuda = jamp.autocast(apply, device_type="cuda", cast_outputs=False)
+        assert jax.eval_shape(cuda, variables, x)[0].dtype == F32
+
+
 def test_residual_after_a_norm_promotes_and_a_function_after_it_is_outside():
     # Post-norm residual: LN(x) + h with a float32 h promotes (torch: bf16 + f32 -> f32);
     # gelu(LN(x)) runs in bfloat16 on the kernel's bfloat16 result, as torch's gelu would.
@@ -336,13 +358,13 @@ def test_norm_inside_a_jit_or_remat_returns_the_activation_dtype():
     # returns bfloat16, as inline; the jit's other inputs are not widened.
     ln = lambda h: (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
     for wrap in (lambda f: f, jax.jit, jax.checkpoint):
-        assert cpu(lambda x, w: wrap(ln)(x @ w))(ACT, W64).dtype == BF16
+        assert cpu(lambda x, w, wrap=wrap: wrap(ln)(x @ w))(ACT, W64).dtype == BF16
 
     def head(logits, features):
         return jax.nn.logsumexp(logits, -1), jax.nn.gelu(features)
 
     for wrap in (lambda f: f, jax.jit, jax.checkpoint):
-        f = jamp.autocast(lambda x, w: wrap(head)(x @ w, x @ w), device_type="cuda",
+        f = jamp.autocast(lambda x, w, wrap=wrap: wrap(head)(x @ w, x @ w), device_type="cuda",
                           cast_outputs=False)
         assert [o.dtype for o in f(ACT, W64)] == [F32, F16]
 

@@ -469,3 +469,51 @@ def test_table_function_rules_per_device():
     cuda = lambda x, w: (jax.nn.gelu(x @ w), (x @ w) ** 2, jnp.reciprocal(x @ w),
                          1.0 / (x @ w), (x @ w) / 2.0)
     assert low(cuda, "cuda") == [F16, F32, F32, F32, F16]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_float32_list_functions_return_float32_whatever_their_inputs(device_type):
+    # torch's float32 lists cast every floating input to float32, a bfloat16 one the program
+    # typed too, and return float32. jnp and optax cast their inputs to one another's dtype
+    # and their result back to their inputs': those casts are the kernel's own. Before:
+    # bfloat16 wherever the first input was.
+    low = lambda x: x.astype(BF16)
+    losses = lambda x: (
+        optax.sigmoid_binary_cross_entropy(low(x), (x > 0).astype(F32)),
+        optax.softmax_cross_entropy(low(x), low(jax.nn.softmax(x))),
+        optax.hinge_loss(low(x), low(jnp.sign(x))),
+        optax.losses.multiclass_hinge_loss(low(x), jnp.arange(3)))
+    quantiles = lambda x: (jnp.quantile(low(x), 0.3, axis=-1),
+                           jnp.nanquantile(low(x), jnp.float32(0.3), axis=-1))
+    f = jamp.autocast(lambda x: (losses(x), quantiles(x) if device_type == "cpu" else ()),
+                      device_type=device_type, cast_outputs=False)
+    assert {o.dtype for o in jax.tree.leaves(jax.eval_shape(f, X))} == {F32}
+
+
+@pytest.mark.parametrize("device_type, low", [("cpu", BF16), ("cuda", F16)])
+def test_prelu_is_one_lower_precision_kernel(device_type, low):
+    # torch's lower-precision lists (CPU and CUDA) hold prelu: its input and weight are cast
+    # to the low dtype, a float32 input included. Before: float32.
+    linen = nn.PReLU()
+    params = linen.init(jax.random.key(0), X)
+    module = nnx.PReLU()
+    for f in (lambda x: linen.apply(params, x), lambda x: module(x)):
+        transformed = jamp.autocast(f, device_type=device_type, cast_outputs=False)
+        assert jax.eval_shape(transformed, X).dtype == low
+        computed = {d for _, name, ins, _ in ops(transformed, X)
+                    if name != "convert_element_type" for d in ins}
+        assert computed == {low}
+
+
+def test_cosine_similarity_promotes_its_inputs_before_it_computes():
+    # torch's CPU cosine_similarity casts its inputs to their promoted dtype, then computes:
+    # two bfloat16 activations give bfloat16; a bfloat16 input the program typed beside a
+    # float32 one computes both norms in float32. Before: float32 for the first (values
+    # autocast lowered read back in float32), the bfloat16 norm in bfloat16 for the second.
+    cos = lambda f: jamp.autocast(f, device_type="cpu", cast_outputs=False)
+    both = cos(lambda x, w: optax.cosine_similarity(x @ w, x @ w))
+    assert jax.eval_shape(both, X, W).dtype == BF16
+    typed = cos(lambda x: optax.cosine_similarity(x.astype(BF16), x))
+    assert jax.eval_shape(typed, X).dtype == F32
+    assert {d for _, name, ins, _ in ops(typed, X) if name != "convert_element_type"
+            for d in ins} == {F32}

@@ -8,23 +8,20 @@ test, so the list stays exact.
 
 import warnings
 
-import pytest
-
 import parity_cases
 import torch_parity
 
-# Measured agreement (395 of 415 on the cpu table, 162 of 170 on the cuda table, with the
+# Measured agreement (428 of 447 on the cpu table, 188 of 194 on the cuda table, with the
 # tables' function rules); the target is 0.95. What remains, and why, is in docs/autocast.md:
 # kernels torch's lists name that a jaxpr cannot tell from other code (pools, vector products,
-# recurrent cells written out), and adds that are a kernel's input to torch and a residual or a
-# mask in JAX.
+# recurrent cells written out), adds that are a kernel's input to torch and a residual or a
+# mask in JAX, and casts jnp writes outside a listed function.
 CPU_FLOOR = 0.95
 CUDA_FLOOR = 0.95
 
 CPU_DEVIATIONS = {
     # Lower-list kernels whose JAX form is a matmul plus a full-size tensor, or no matmul.
     "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
-    "prelu[float32]", "prelu[mixed]",
     # torch's CPU autocast leaves its recurrent cells in float32; their JAX matmuls lower.
     "LSTMCell[float32]", "LSTMCell[mixed]", "GRUCell[float32]", "GRUCell[mixed]",
     # torch's CPU float32 list: pools written with lax.reduce_window, which the 2-D pools (on no
@@ -40,11 +37,14 @@ CPU_DEVIATIONS = {
     "mv[float32]", "addmv[float32]", "bilinear[float32]",
     # jax.image.resize asks for full-precision matmuls, which are float32 ops.
     "interpolate[mixed]",
+    # A mean taken outside optax's loss: jnp's mean of a bfloat16 array casts its float32 sum
+    # back to bfloat16, and that cast is the program's.
+    "margin_ranking_loss/optax/typed[mixed]",
 }
 
 CUDA_DEVIATIONS = {
     "baddbmm[float32]", "baddbmm[mixed]", "addbmm[float32]", "addbmm[mixed]",
-    "addmv[float32]", "addr[float32]", "prelu[float32]", "prelu[mixed]",
+    "addmv[float32]", "addr[float32]",
 }
 
 

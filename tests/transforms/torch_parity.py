@@ -2,15 +2,17 @@
 
 Each `Case` is one torch op and the JAX code a user writes for it. It is run twice: with float32
 inputs, and with a low-precision input mixed in (the first floating input, or those a case names,
-in bfloat16). torch runs it under `torch.autocast("cpu", dtype=torch.bfloat16)`; jamp runs the JAX
-code under `jamp.autocast(..., device_type="cpu")`. They agree when
+in bfloat16: a value autocast lowered, or one the program typed so). torch runs it under
+`torch.autocast("cpu", dtype=torch.bfloat16)`; jamp runs the JAX code under
+`jamp.autocast(..., device_type="cpu")`. They agree when
 
 1. every output has torch's dtype, and
 2. the transformed program computes no floating op in a dtype narrower than the one torch's
    kernel computes in: float32 for torch's float32 list (the inner matmuls of `pinv` and the
    `x - max` of a loss included), the output's dtype otherwise. Half-precision sums that
    accumulate in float32 are wider, not narrower, and pass; and
-3. for torch's lower-precision list, the matmuls and convolutions run in bfloat16.
+3. for torch's lower-precision list, the matmuls and convolutions run in bfloat16 (every op,
+   in a kernel that has none: prelu).
 
 The dtypes an op "computes in" are read from the transformed jaxpr: the floating input dtypes of
 each equation that computes values from data (moves, converts and arithmetic on literals alone
@@ -60,6 +62,8 @@ class Case:
       low: positions of the floating inputs made bfloat16 in the "mixed" variant (default: the
         first floating input).
       cuda: where torch's CUDA autocast puts it: "lower", "fp32", "promote" or "none".
+      typed: the "mixed" variant's low inputs are bfloat16 in the program's own types (a
+        user's cast, a bfloat16 argument), not values autocast lowered.
     """
 
     name: str
@@ -69,6 +73,7 @@ class Case:
     inputs: Callable[[np.random.Generator], Sequence[Any]]
     low: tuple[int, ...] | None = None
     cuda: str = "none"
+    typed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +157,8 @@ def transformed_jaxpr(case: Case, variant: str, device_type: str = "cpu"):
     In the mixed variant the low inputs are made bfloat16 by autocast itself, inside the
     program, as a model's activations are: torch's autocast sees the same bfloat16 tensor
     whether a lowered op or `.bfloat16()` made it, and jamp decides on the traced program,
-    in which a value the user casts is typed by jnp's own rules (see docs/autocast.md).
+    in which a value the user casts is typed by jnp's own rules (see docs/autocast.md). A
+    `typed` case casts them in the program instead.
     """
     args, low = jax_args(case)
     low = low if variant == "mixed" else ()
@@ -161,7 +167,7 @@ def transformed_jaxpr(case: Case, variant: str, device_type: str = "cpu"):
     def f(*array_args):
         full = list(args)
         for i, a in zip(arrays, array_args):
-            full[i] = _lowered(a) if i in low else a
+            full[i] = a if i not in low else a.astype(LOW) if case.typed else _lowered(a)
         return case.jax_fn(*full)
 
     g = jamp.autocast(f, device_type=device_type, cast_outputs=False)
@@ -211,11 +217,11 @@ def verdict(case: Case, variant: str) -> Verdict:
     if narrow:
         return Verdict(case.name, variant, False, f"computes below {floor}: {', '.join(narrow)}")
     if case.list == "lower":
-        wide = sorted({f"{p}{list(d)}" for p, d in ops if p in primitives.MATMULS
-                       and any(x != LOW for x in d)})
-        if wide or not any(p in primitives.MATMULS for p, _ in ops):
+        kernel = [(p, d) for p, d in ops if p in primitives.MATMULS] or ops
+        wide = sorted({f"{p}{list(d)}" for p, d in kernel if any(x != LOW for x in d)})
+        if wide or not kernel:
             return Verdict(case.name, variant, False,
-                           f"matmul not in {LOW}: {', '.join(wide) or 'none found'}")
+                           f"kernel not in {LOW}: {', '.join(wide) or 'none found'}")
     return Verdict(case.name, variant, True)
 
 
@@ -230,7 +236,8 @@ def cuda_verdict(case: Case, variant: str) -> Verdict:
     if case.cuda == "fp32":
         narrow = _below(computed_in(closed), "float32")
         if narrow:
-            return Verdict(case.name, variant, False, f"computes below float32: {', '.join(narrow)}")
+            return Verdict(case.name, variant, False,
+                           f"computes below float32: {', '.join(narrow)}")
     elif case.cuda == "lower":
         got = tuple(np.dtype(a.dtype).name for a in closed.out_avals if is_floating(a))
         if set(got) != {"float16"}:
