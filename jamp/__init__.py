@@ -29,7 +29,7 @@ from jamp.scaler import (
     select_tree,
 )
 from jamp.transforms import autocast, custom_bwd, custom_fwd
-from jamp import autograd, debug, frontend, profile
+from jamp import autograd, debug, fp8, frontend, profile
 from jamp.frontend import (
     MasterWeightsState,
     checkpoint_from_bytes,
@@ -49,7 +49,8 @@ __version__ = "0.1.0"
 __all__ = [
     "all_finite", "autocast", "autograd", "cast_to_full", "cast_to_half", "checkpoint_from_bytes",
     "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "debug", "DynamicLossScale", "DynamicScale",
-    "DynamicScaleResult", "frontend", "get_loss_scale", "get_policy", "GradScaler", "half_dtype",
+    "DynamicScaleResult", "fp8", "frontend", "get_loss_scale", "get_policy", "GradScaler",
+    "half_dtype",
     "initialize", "load_state_dict", "LossScale", "loss_scaled", "master_params", "master_weights",
     "MasterWeightsState", "NoOpLossScale", "Policy", "policy", "profile", "Properties",
     "properties", "restore_checkpoint", "save_checkpoint", "scale_loss", "scaled_value_and_grad",

@@ -1,0 +1,117 @@
+"""`jamp.fp8.dot_general`: a `jax.lax.dot_general` whose three training GEMMs run on float8
+operands, as a recipe casts them.
+
+One `jax.custom_vjp` serves the stateless recipes (tensorwise, rowwise, rowwise_with_gw_hp,
+mxfp8): the forward casts `lhs` and `rhs`, the backward casts the output gradient and
+re-casts the saved high-precision operands for each gradient GEMM with that GEMM's casts, as
+torchao's `matmul_with_hp_or_float8_args` does. Every GEMM multiplies the float8 values
+(dequantized to float32) with a float32 accumulator; its result comes back in the dtype the
+caller asked for. Delayed scaling carries state and lives in `jamp.fp8.delayed_scaling`.
+
+Shapes served: any `dimension_numbers` (Dense, DenseGeneral, Einsum; batch dimensions
+included). "row" and "block" scales run along each GEMM's contracting dimensions: for the
+output GEMM the operands' contracting dimensions, for grad_lhs the dimensions `rhs` keeps
+(its free dimensions), for grad_rhs the dimensions `lhs` keeps (its free dimensions, the
+flattened tokens of a Dense layer, as torchao's reshape to 2-D does). Batch dimensions are
+never reduced over: each batch element has its own row scales. Under `jax.vmap` each mapped
+element is scaled on its own, as if called once per element.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp.fp8 import delayed_scaling
+from jamp.fp8.casts import quantize_dequantize
+from jamp.fp8.products import canonical, gemm, gemm_axes, gradient_gemms
+from jamp.fp8.recipes import Gemm, Recipe, check_recipe
+from jamp.policy.dtypes import is_floating
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Recipe, *,
+                state: delayed_scaling.DelayedState | None = None, precision: Any = None,
+                preferred_element_type: Any = None) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, dimension_numbers)` with float8 GEMMs as `recipe` says.
+
+    Takes `lax.dot_general`'s arguments, so a `dot_general` equation's operands and params
+    pass through. `lhs` plays the input and `rhs` the weight in the recipe's casts.
+
+    Args:
+      lhs, rhs: floating operands.
+      dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
+      recipe: from `jamp.fp8.recipe`.
+      state: the delayed recipe's `DelayedState` (required there, refused elsewhere); its
+        gradient is the next state (see `jamp.fp8.delayed_scaling`).
+      precision: accepted for `lax.dot_general`'s signature and ignored: the float8 products
+        always accumulate in float32.
+      preferred_element_type: the result's dtype; by default the operands' result type.
+
+    Returns:
+      The product in `preferred_element_type`; its gradients come back in the operands' own
+      dtypes.
+    """
+    del precision
+    recipe = check_recipe(recipe)
+    for name, operand in (("lhs", lhs), ("rhs", rhs)):
+        if not is_floating(operand):
+            raise TypeError(f"jamp.fp8.dot_general takes floating operands, got {name} of "
+                            f"dtype {jnp.result_type(operand)}.")
+    dims = canonical(dimension_numbers)
+    out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
+                         else jnp.result_type(lhs, rhs))
+    if recipe.scaling == "delayed":
+        if state is None:
+            raise TypeError("The delayed fp8 recipe needs its state: pass "
+                            "state=jamp.fp8.init_delayed_state(recipe).")
+        return delayed_scaling.dot_general(lhs, rhs, dims, recipe, state, out_dtype)
+    if state is not None:
+        raise TypeError(f"{recipe!r} keeps no state: state= is only for the delayed recipe.")
+    return _scaled_dot(lhs, rhs, dims, recipe, out_dtype)
+
+
+def _cast_pair(gemm_casts: Gemm, a: jax.Array, a_axes: Sequence[int], b: jax.Array,
+               b_axes: Sequence[int], power_of_2: bool) -> tuple[jax.Array, jax.Array]:
+    return (quantize_dequantize(a, gemm_casts.lhs, a_axes, power_of_2),
+            quantize_dequantize(b, gemm_casts.rhs, b_axes, power_of_2))
+
+
+def _power_of_2(recipe: Recipe) -> bool:
+    return recipe.scaling == "current" and recipe.option("round_scales_to_power_of_2")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _scaled_dot(lhs, rhs, dims, recipe, out_dtype):
+    axes = gemm_axes(lhs.ndim, rhs.ndim, dims)
+    lhs8, rhs8 = _cast_pair(recipe.gemms.output, lhs, axes["lhs"], rhs, axes["rhs"],
+                            _power_of_2(recipe))
+    return gemm(lhs8, rhs8, dims).astype(out_dtype)
+
+
+def _scaled_dot_fwd(lhs, rhs, dims, recipe, out_dtype):
+    # The high-precision operands are saved and re-cast in the backward pass, as torchao
+    # does: each gradient GEMM casts them along its own contracting dimensions.
+    return _scaled_dot(lhs, rhs, dims, recipe, out_dtype), (lhs, rhs)
+
+
+def _scaled_dot_bwd(dims, recipe, out_dtype, residuals, g):
+    lhs, rhs = residuals
+    axes = gemm_axes(lhs.ndim, rhs.ndim, dims)
+    power_of_2 = _power_of_2(recipe)
+    grad_lhs, grad_rhs = gradient_gemms(lhs, rhs, dims)
+    g8, rhs8 = _cast_pair(recipe.gemms.grad_lhs, g, axes["grad_for_lhs"], rhs,
+                          axes["rhs_for_lhs"], power_of_2)
+    d_lhs = grad_lhs(g8, rhs8)
+    lhs8, g8 = _cast_pair(recipe.gemms.grad_rhs, lhs, axes["lhs_for_rhs"], g,
+                          axes["grad_for_rhs"], power_of_2)
+    d_rhs = grad_rhs(lhs8, g8)
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+_scaled_dot.defvjp(_scaled_dot_fwd, _scaled_dot_bwd)
+
+
+__all__ = ["dot_general"]
