@@ -177,4 +177,5 @@ def _check_delayed(recipe: Recipe) -> Recipe:
     return recipe
 
 
-__all__ = ["DelayedState", "init_delayed_state", "scale_from_history", "update_amax_history"]
+__all__ = ["DelayedState", "dot_general", "init_delayed_state", "scale_from_history",
+           "update_amax_history"]
