@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp.fp8.casts import saturating_cast
-from jamp.fp8.products import DimensionNumbers, gemm, gradient_gemms
+from jamp.fp8.products import Product
 from jamp.fp8.recipes import Recipe, check_recipe
 from jamp.policy.dtypes import FLOAT32
 
@@ -118,9 +118,10 @@ def _step(x: jax.Array, dtype, scale: jax.Array, history: jax.Array, recipe: Rec
     return restored, new_scale, update_amax_history(history, x32)
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers, recipe: Recipe,
-                state: DelayedState, out_dtype: np.dtype) -> jax.Array:
-    """The delayed-scaling product (`jamp.fp8.dot_general` with the delayed recipe)."""
+def product(lhs: jax.Array, rhs: jax.Array, product: Product, recipe: Recipe,
+            state: DelayedState, out_dtype: np.dtype) -> jax.Array:
+    """The delayed-scaling `product` of `lhs` and `rhs` (what `jamp.fp8.dot_general` and
+    `jamp.fp8.conv_general_dilated` run with the delayed recipe)."""
     if not isinstance(state, DelayedState):
         raise TypeError(f"state must be a jamp.fp8.DelayedState (from "
                         f"jamp.fp8.init_delayed_state), got {type(state).__name__}.")
@@ -131,21 +132,21 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers, recipe: 
         raise ValueError(f"The delayed state does not fit {recipe!r}: its shapes are {shapes}, "
                          f"expected {expected}.")
     dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype)
-    return _delayed_dot(lhs, rhs, state, dims, recipe, dtypes)
+    return _delayed(lhs, rhs, state, product, recipe, dtypes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _delayed_dot(lhs, rhs, state, dims, recipe, dtypes):
-    return _delayed_dot_fwd(lhs, rhs, state, dims, recipe, dtypes)[0]
+def _delayed(lhs, rhs, state, product, recipe, dtypes):
+    return _delayed_fwd(lhs, rhs, state, product, recipe, dtypes)[0]
 
 
-def _delayed_dot_fwd(lhs, rhs, state, dims, recipe, dtypes):
+def _delayed_fwd(lhs, rhs, state, product, recipe, dtypes):
     casts = recipe.gemms.output
     lhs8, input_scale, input_history = _step(lhs, casts.lhs.dtype, state.input_scale,
                                              state.input_amax_history, recipe)
     rhs8, kernel_scale, kernel_history = _step(rhs, casts.rhs.dtype, state.kernel_scale,
                                                state.kernel_amax_history, recipe)
-    out = gemm(lhs8, rhs8, dims).astype(dtypes[2])
+    out = product(lhs8, rhs8).astype(dtypes[2])
     partial_state = state._replace(input_scale=input_scale, kernel_scale=kernel_scale,
                                    input_amax_history=input_history,
                                    kernel_amax_history=kernel_history)
@@ -153,20 +154,19 @@ def _delayed_dot_fwd(lhs, rhs, state, dims, recipe, dtypes):
     return out, (lhs8, rhs8, partial_state)
 
 
-def _delayed_dot_bwd(dims, recipe, dtypes, residuals, g):
+def _delayed_bwd(product, recipe, dtypes, residuals, g):
     lhs8, rhs8, partial_state = residuals
     lhs_dtype, rhs_dtype, _ = dtypes
     g8, grad_scale, grad_history = _step(g, recipe.gemms.grad_lhs.lhs.dtype,
                                          partial_state.output_grad_scale,
                                          partial_state.output_grad_amax_history, recipe)
-    grad_lhs, grad_rhs = gradient_gemms(lhs8, rhs8, dims)
     new_state = partial_state._replace(output_grad_scale=grad_scale,
                                        output_grad_amax_history=grad_history)
-    return (grad_lhs(g8, rhs8).astype(lhs_dtype), grad_rhs(lhs8, g8).astype(rhs_dtype),
-            new_state)
+    return (product.grad_lhs(g8, rhs8, lhs8.shape).astype(lhs_dtype),
+            product.grad_rhs(lhs8, g8, rhs8.shape).astype(rhs_dtype), new_state)
 
 
-_delayed_dot.defvjp(_delayed_dot_fwd, _delayed_dot_bwd)
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 def _check_delayed(recipe: Recipe) -> Recipe:
@@ -177,5 +177,5 @@ def _check_delayed(recipe: Recipe) -> Recipe:
     return recipe
 
 
-__all__ = ["DelayedState", "dot_general", "init_delayed_state", "scale_from_history",
+__all__ = ["DelayedState", "init_delayed_state", "product", "scale_from_history",
            "update_amax_history"]

@@ -148,3 +148,49 @@ def test_mxfp8_blocks_scale_by_powers_of_two_without_saturating():
     restored = jax.jit(quantize_dequantize, static_argnums=(1, 2))(x, Cast(E4M3, "block"), (1,))
     np.testing.assert_allclose(restored, x, rtol=2 ** -4)
     assert float(restored[0, 31]) == 704.0  # 700 at scale 2: 350 -> 352 in e4m3, not 448
+
+
+def _equation(fn, *args):
+    (eqn,) = jax.make_jaxpr(fn)(*args).eqns
+    return eqn.params
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_convolution_takes_the_equations_params(name):
+    # flax's Conv layout (NHWC, HWIO) with "SAME" padding: the equation's params, passed as
+    # they are, give the product the explicit call gives, close to the float32 convolution,
+    # with gradients in the operands' dtypes.
+    x = jax.random.normal(jax.random.key(4), (2, 8, 8, 16))
+    kernel = jax.random.normal(jax.random.key(5), (3, 3, 16, 8)) / 12
+    numbers = ("NHWC", "HWIO", "NHWC")
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",  # noqa: E731
+                                                     dimension_numbers=numbers)
+    params = _equation(conv, x, kernel)
+    recipe = jamp.fp8.recipe(name)
+
+    @jax.jit
+    def run(x, kernel):
+        def loss(x, kernel):
+            out = jamp.fp8.conv_general_dilated(x, kernel, **params, recipe=recipe)
+            return jnp.sum(out ** 2), out
+
+        explicit = jamp.fp8.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                                 dimension_numbers=numbers, recipe=recipe)
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, kernel)
+        return out, explicit, grads
+
+    out, explicit, grads = run(x, kernel)
+    np.testing.assert_array_equal(out, explicit)
+    assert _relative_error(out, conv(x, kernel)) < 0.05
+    expected = jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2), argnums=(0, 1))(x, kernel)
+    for g, e in zip(grads, expected):
+        assert g.dtype == jnp.float32 and _relative_error(g, e) < 0.1
+
+
+def test_dot_general_takes_the_equations_params():
+    x, w = jnp.ones((4, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
+    params = _equation(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), x, w)
+    out = jax.jit(lambda x, w: jamp.fp8.dot_general(x, w, recipe=jamp.fp8.recipe("tensorwise"),
+                                                    **params))(x, w)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, jnp.full((4, 16), 32.0))
