@@ -8,6 +8,10 @@ torchao's `matmul_with_hp_or_float8_args` does. Every GEMM multiplies the float8
 (dequantized to float32) with a float32 accumulator; its result comes back in the dtype the
 caller asked for. Delayed scaling carries state and lives in `jamp.fp8.delayed_scaling`.
 
+mxfp8 runs `jax.nn.scaled_dot_general` (cuDNN's block-scaled GEMM) in a program lowered for
+CUDA where its shape rules accept the operands (multiples of 32 along every GEMM's contracting
+dimensions); elsewhere, and on every other platform, the emulation.
+
 Shapes served: any `dot_general` dimension numbers (Dense, DenseGeneral, Einsum; batch
 dimensions included) and any convolution. "row" and "block" scales run along each GEMM's
 contracting dimensions (`jamp.fp8.products.Axes`): for a dot, the output GEMM's contracting
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp import _jax_internals
 from jamp.fp8 import delayed_scaling
 from jamp.fp8.casts import quantize_dequantize
 from jamp.fp8.products import ConvProduct, DotProduct, Product
@@ -112,6 +117,15 @@ def _run(lhs, rhs, product: Product, recipe: Recipe, state, preferred_element_ty
         return delayed_scaling.product(lhs, rhs, product, recipe, state, out_dtype)
     if state is not None:
         raise TypeError(f"{recipe!r} keeps no state: state= is only for the delayed recipe.")
+    if recipe.scaling == "block" and isinstance(product, DotProduct):
+        native = _jax_internals.mxfp8_dot_general(lhs, rhs, product.dimension_numbers,
+                                                  out_dtype)
+        if native is not None:
+            # cuDNN's block-scaled GEMM where the program is lowered for CUDA; the emulation,
+            # which rounds scales the same way, everywhere else.
+            return lax.platform_dependent(
+                lhs, rhs, cuda=native,
+                default=lambda lhs, rhs: _scaled(lhs, rhs, product, recipe, out_dtype))
     return _scaled(lhs, rhs, product, recipe, out_dtype)
 
 

@@ -194,3 +194,20 @@ def test_dot_general_takes_the_equations_params():
                                                     **params))(x, w)
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(out, jnp.full((4, 16), 32.0))
+
+
+@pytest.mark.parametrize("tokens, native", [(64, True), (48, False)])
+def test_mxfp8_lowers_to_the_block_scaled_gemm_for_cuda(tokens, native):
+    # Exported for CUDA (no GPU needed), the mxfp8 product is cuDNN's block-scaled GEMM where
+    # its rules accept the shapes (multiples of 32 along each GEMM's contracting dimensions),
+    # the emulation where not; on this machine's CPU, the emulation runs either way.
+    x, w = jnp.ones((tokens, 64)), jnp.ones((64, 32))
+    dims = (((1,), (0,)), ((), ()))
+    loss = jax.jit(jax.grad(lambda x, w: jnp.sum(jamp.fp8.dot_general(
+        x, w, dims, jamp.fp8.recipe("mxfp8"))), argnums=(0, 1)))
+    # cuDNN's call has no serialization guarantee: the export is read, never saved.
+    unsaved = [jax.export.DisabledSafetyCheck.custom_call("__op$block_scaled_dot")]
+    text = jax.export.export(loss, platforms=("cuda",), disabled_checks=unsaved)(x, w).mlir_module()
+    assert ("block_scaled_dot" in text) == native
+    if native:
+        np.testing.assert_array_equal(loss(x, w)[0], jnp.full((tokens, 64), 32.0))
