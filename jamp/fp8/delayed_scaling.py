@@ -76,9 +76,11 @@ def init_delayed_state(recipe: Recipe) -> DelayedState:
     ((4,), (1,))
     """
     recipe = _check_delayed(recipe)
-    one = jnp.ones((1,), FLOAT32)
-    history = jnp.zeros((recipe.option("amax_history_length"),), FLOAT32)
-    return DelayedState(one, one, one, history, history, history)
+    length = recipe.option("amax_history_length")
+    # Six distinct buffers, so that a step may donate the state.
+    scales = [jnp.ones((1,), FLOAT32) for _ in range(3)]
+    histories = [jnp.zeros((length,), FLOAT32) for _ in range(3)]
+    return DelayedState(*scales, *histories)
 
 
 def scale_from_history(amax_history: jax.Array, scale: jax.Array, dtype, recipe: Recipe
