@@ -92,8 +92,8 @@ def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Sequenc
     lhs_dilation = tuple(lhs_dilation or (1,) * spatial)
     rhs_dilation = tuple(rhs_dilation or (1,) * spatial)
     if isinstance(padding, str):
-        # lax's own rule for "SAME"/"VALID", on the dilated input and window.
-        in_shape = [(lhs.shape[d] - 1) * s + 1 for d, s in zip(numbers.lhs_spec[2:], lhs_dilation)]
+        # lax's own rule for "SAME"/"VALID": the input's spatial shape, the dilated window.
+        in_shape = [lhs.shape[d] for d in numbers.lhs_spec[2:]]
         window = [(rhs.shape[d] - 1) * s + 1 for d, s in zip(numbers.rhs_spec[2:], rhs_dilation)]
         padding = lax.padtype_to_pads(in_shape, window, window_strides, padding)
     product = ConvProduct(tuple(window_strides), tuple((int(lo), int(hi)) for lo, hi in padding),
