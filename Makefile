@@ -16,9 +16,10 @@ VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(shell $(INTERPRETER) -c \
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 # The test-only oracle: torch's CPU build (`+cpu` names only that build, so where pip finds
-# none it installs nothing rather than the multi-GB CUDA build, and the parity tests skip).
-# `make test ORACLE=` leaves it out.
-ORACLE ?= torch==2.13.0+cpu
+# none it installs nothing rather than the multi-GB CUDA build, and the parity tests skip),
+# and torchao, whose float8 training (emulated on the CPU) the fp8 recipes are checked against.
+# `make test ORACLE=` leaves them out.
+ORACLE ?= torch==2.13.0+cpu torchao==0.18.0
 
 .PHONY: demo test lint bench clean
 
@@ -33,8 +34,8 @@ $(VENV)/.installed-core: pyproject.toml | $(PY)
 # `make test` resolves and builds jamp once; it stands for the core install too.
 $(VENV)/.installed-test: pyproject.toml | $(PY)
 	$(PIP) install -e '.[test,examples,checkpoint]'
-	$(if $(ORACLE),$(PIP) install '$(ORACLE)' \
-	    || echo "no $(ORACLE) for this Python: torch's parity tests will be skipped")
+	$(foreach pkg,$(ORACLE),$(PIP) install '$(pkg)' \
+	    || echo "no $(pkg) for this Python: its parity tests will be skipped";)
 	touch $(VENV)/.installed-core $@
 
 demo: $(VENV)/.installed-core

@@ -36,7 +36,7 @@ from jamp.transforms import (
     is_autocast_available,
     is_autocast_enabled,
 )
-from jamp import autograd, debug, frontend, profile
+from jamp import autograd, debug, fp8, frontend, profile
 from jamp.frontend import (
     MasterWeightsState,
     checkpoint_from_bytes,
@@ -56,7 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "all_finite", "autocast", "autograd", "cast_to_full", "cast_to_half", "checkpoint_from_bytes",
     "checkpoint_to_bytes", "custom_bwd", "custom_fwd", "debug", "DynamicLossScale", "DynamicScale",
-    "DynamicScaleResult", "frontend", "get_autocast_dtype", "get_loss_scale", "get_policy",
+    "DynamicScaleResult", "fp8", "frontend", "get_autocast_dtype", "get_loss_scale", "get_policy",
     "GradScaler", "half_dtype", "initialize", "is_autocast_available", "is_autocast_enabled",
     "load_state_dict", "LossScale", "loss_scaled", "master_params", "master_weights",
     "MasterWeightsState", "NoOpLossScale", "Policy", "policy", "profile", "Properties",

@@ -745,3 +745,32 @@ def live_executables() -> list[Any]:
             if runtime is not None and hasattr(runtime, "hlo_modules"):
                 found.append(runtime)
     return found
+
+
+def mxfp8_dot_general(lhs, rhs, dimension_numbers, out_dtype) -> Callable | None:
+    """`jax.nn.scaled_dot_general` with mxfp8 for all three GEMMs, as `fn(lhs, rhs)`; None
+    where this jax has none or its shape rules refuse these operands.
+
+    For `jamp.fp8`'s mxfp8 recipe, which runs it where it lowers (cuDNN's block-scaled GEMM on
+    CUDA). Its rules (blocks of 32 along every GEMM's contracting dimensions, in the layouts it
+    takes) are asserts in its tracing, not a public predicate: a trial trace of the product and
+    its pullback at the operands' shapes asks them.
+    """
+    scaled = getattr(jax.nn, "scaled_dot_general", None)
+    if scaled is None:
+        return None
+    configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
+
+    def fn(lhs, rhs):
+        return scaled(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
+                      configs=configs)
+
+    def product_and_pullback(lhs, rhs):
+        out, pullback = jax.vjp(fn, lhs, rhs)
+        return pullback(out)
+
+    try:
+        jax.eval_shape(product_and_pullback, _spec(jax.typeof(lhs)), _spec(jax.typeof(rhs)))
+    except (AssertionError, ValueError, TypeError):
+        return None
+    return fn

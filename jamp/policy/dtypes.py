@@ -21,6 +21,11 @@ BFLOAT16 = np.dtype(jnp.bfloat16)
 # (float64, integers, bools and complex values are never cast).
 HALF_DTYPES: frozenset[np.dtype] = frozenset({FLOAT16, BFLOAT16})
 AUTOCAST_DTYPES: frozenset[np.dtype] = HALF_DTYPES | {FLOAT32}
+# The float8 dtypes fp8 training stores GEMM operands in (`jamp.fp8`): e4m3 for values that
+# need precision (activations, weights), e5m2 for the range of gradients.
+FLOAT8_E4M3 = np.dtype(jnp.float8_e4m3fn)
+FLOAT8_E5M2 = np.dtype(jnp.float8_e5m2)
+FP8_DTYPES: frozenset[np.dtype] = frozenset({FLOAT8_E4M3, FLOAT8_E5M2})
 
 
 def dtype_of(x: Any) -> np.dtype | None:
@@ -77,6 +82,17 @@ def is_half_dtype(value: Any) -> bool:
         return False
     try:
         return np.dtype(value) in HALF_DTYPES
+    except TypeError:
+        return False
+
+
+def is_fp8_dtype(value: Any) -> bool:
+    """True when `value` itself names a float8 dtype (`jnp.float8_e4m3fn`, its numpy dtype,
+    the string "float8_e5m2", ...); False for anything else, arrays included."""
+    if not isinstance(value, (np.dtype, type, str)):
+        return False
+    try:
+        return bool(jnp.issubdtype(np.dtype(value), jnp.floating)) and np.dtype(value).itemsize == 1
     except TypeError:
         return False
 
@@ -212,7 +228,8 @@ def short_name(dtype) -> str:
 
 __all__ = [
     "ACCEPTED_DTYPE_NAMES", "AUTOCAST_DTYPES", "BFLOAT16", "canonical_floating_dtype",
-    "DTYPE_NAMES", "dtype_of", "FLOAT16", "FLOAT32", "half_dtype", "HALF_DTYPES", "is_floating",
-    "is_floating_array", "is_half", "is_half_dtype", "is_inexact", "is_inexact_array", "is_wide",
-    "NAME_TO_DTYPE", "parse_dtype", "POLICY_KEYS", "short_name"
+    "DTYPE_NAMES", "dtype_of", "FLOAT16", "FLOAT32", "FLOAT8_E4M3", "FLOAT8_E5M2", "FP8_DTYPES",
+    "half_dtype", "HALF_DTYPES", "is_floating", "is_floating_array", "is_fp8_dtype", "is_half",
+    "is_half_dtype", "is_inexact", "is_inexact_array", "is_wide", "NAME_TO_DTYPE", "parse_dtype",
+    "POLICY_KEYS", "short_name"
 ]
