@@ -512,6 +512,6 @@ def _passes(jaxpr: jx.Jaxpr, atom, invar, depth: int) -> bool:
 
 
 __all__ = [
-    "accumulating_carries", "float32_equations", "kernel_reads", "normalization_kernels", "Plan", "plan",
-    "shape_key", "sums_to_scalar", "was_broadcast"
+    "accumulating_carries", "float32_equations", "kernel_reads", "normalization_kernels",
+    "Plan", "plan", "shape_key", "sums_to_scalar", "was_broadcast"
 ]
