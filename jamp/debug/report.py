@@ -270,9 +270,9 @@ class PrecisionReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain Python that is strict JSON: `json.dumps(report.to_dict(),
-        allow_nan=False)` takes it as it is. Non-finite numbers (a NaN loss, an overflow's
-        infinite error) become the strings "nan", "inf" and "-inf"; what is absent is None
-        (null)."""
+        allow_nan=False)` takes it as it is. Non-finite numbers (`low_loss` once the half run
+        overflowed, `loss` when float32 is broken too) become the strings "nan", "inf" and
+        "-inf"; what is absent is None (null)."""
         return _strict_json(dict(
             dtype=self.dtype, loss_scale=self.loss_scale, loss=self.loss,
             low_loss=self.low_loss, findings=[f.to_dict() for f in self.findings],
