@@ -309,10 +309,9 @@ jax.tree_util.register_pytree_node(
 _STATIC, _KEPT, _PACKED = "static", "kept", "packed"
 
 
-def _linearize(fn: Callable, xs: list) -> tuple[Any, Any, list[str | None]]:
+def _linearize(fn: Callable, xs: list) -> tuple[Any, Any, list[str]]:
     """`jax.vjp(fn, *xs)`: the output, the pullback, and for each leaf of the pullback how
-    `_pack` stores it: `_STATIC` (not an array, or a constant written in the program), `_KEPT`
-    (stored by a hooked function called inside) or None (a residual for `pack_hook`).
+    `_pack` stores it (`_kind`; a constant written in the program is static).
 
     torch never hooks a Python number (`a * 3` keeps 3 in its node), but JAX's eager arrays do
     not tell the 3.0 that `a * 3` keeps from an array. A trace does: there the residual is a
@@ -328,41 +327,50 @@ def _linearize(fn: Callable, xs: list) -> tuple[Any, Any, list[str | None]]:
             out, pullback = jax.vjp(fn, *xs)
         leaves, structure = jax.tree_util.tree_flatten(pullback)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        arrays = [is_numeric_array(leaf) for leaf in leaves]
-        traced.update(structure=structure, out_tree=out_tree, leaves=leaves, arrays=arrays,
-                      kept=[stored_inside.get(id(leaf)) is leaf for leaf in leaves])
-        return out_leaves + [leaf for leaf, a in zip(leaves, arrays) if a]
+        kinds = [_kind(leaf, stored_inside) for leaf in leaves]
+        traced.update(structure=structure, out_tree=out_tree, kinds=kinds,
+                      static=[leaf if k == _STATIC else None for leaf, k in zip(leaves, kinds)])
+        return out_leaves + [leaf for leaf, k in zip(leaves, kinds) if k != _STATIC]
 
     try:
         closed = jx.trace_closed(residuals, [jax.typeof(x) for x in xs])
     except jax.errors.ConcretizationTypeError:
         if any(jx.is_tracer(x) for x in xs):
             raise  # traced from the outside too: no concrete values to run on
-        with _collecting(stored_inside):
+        eager_inside: dict = {}
+        with _collecting(eager_inside):
             out, pullback = jax.vjp(fn, *xs)
-        kinds = [_STATIC if not is_numeric_array(leaf) else
-                 _KEPT if stored_inside.get(id(leaf)) is leaf else None
-                 for leaf in jax.tree_util.tree_leaves(pullback)]
-        return out, pullback, kinds
+        return out, pullback, [_kind(leaf, eager_inside)
+                               for leaf in jax.tree_util.tree_leaves(pullback)]
+    values = jx.eval_closed(closed, xs)
     n_out = traced["out_tree"].num_leaves
-    values = iter(jx.eval_closed(closed, xs))
-    out = jax.tree_util.tree_unflatten(traced["out_tree"], [next(values) for _ in range(n_out)])
-    literal = iter(isinstance(v, jx.Literal) for v in closed.jaxpr.outvars[n_out:])
+    out = jax.tree_util.tree_unflatten(traced["out_tree"], values[:n_out])
+    residual = zip(closed.jaxpr.outvars[n_out:], values[n_out:], strict=True)
     leaves, kinds = [], []
-    for leaf, is_array, kept in zip(traced["leaves"], traced["arrays"], traced["kept"]):
-        if not is_array:
-            leaves.append(leaf)
-            kinds.append(_STATIC)
+    for kind, static in zip(traced["kinds"], traced["static"]):
+        if kind == _STATIC:
+            leaves.append(static)
         else:
-            leaves.append(next(values))
-            kinds.append(_STATIC if next(literal) else _KEPT if kept else None)
+            var, value = next(residual)
+            if isinstance(var, jx.Literal):  # a scalar of the program: static, as in torch
+                kind, value = _STATIC, np.asarray(value)[()]
+            leaves.append(value)
+        kinds.append(kind)
     return out, jax.tree_util.tree_unflatten(traced["structure"], leaves), kinds
 
 
-def _pack(pullback, hooks: saved_tensors_hooks, kinds: list[str | None],
+def _kind(leaf, stored_inside: dict) -> str:
+    """How `_pack` stores a leaf of a pullback: static (not an array), kept (a hooked function
+    called inside stored it already, `stored_inside` by id) or packed."""
+    if not is_numeric_array(leaf):
+        return _STATIC
+    return _KEPT if stored_inside.get(id(leaf)) is leaf else _PACKED
+
+
+def _pack(pullback, hooks: saved_tensors_hooks, kinds: list[str],
           wanted: tuple[int, ...]) -> _Saved:
-    """Passes the pullback's leaves through `pack_hook`, but those `kinds` (`_linearize`)
-    marks static or kept. `wanted`: the positions of the inputs the pullback
+    """Passes the pullback's leaves through `pack_hook`, except those that `kinds`
+    (`_linearize`) marks static or kept. `wanted`: the positions of the inputs the pullback
     differentiates."""
     leaves, structure = jax.tree_util.tree_flatten(pullback)
     arrays, layout, produced = [], [], []
