@@ -38,8 +38,8 @@ from typing import Mapping, Sequence, TypeGuard, cast
 
 from jamp.policy.autocast_tables import ACCUMULATE_FP32, FP32, FP32_STATISTICS, LOWER, PROMOTE
 from jamp.policy.primitives import (
-    ADDS, CHAIN, COMBINING, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS, SAME_VALUES, SELECTIONS,
-    SUMS,
+    ADDS, ASSEMBLES, CHAIN, COMBINING, DOT_PRODUCTS, ELEMENTWISE, MOVES, REDUCTIONS,
+    SAME_VALUES, SELECTIONS, SUMS,
 )
 from jamp import _jax_internals as jx
 from jamp._jax_internals import CALLS
@@ -57,18 +57,22 @@ class Plan:
       exits: results of a normalization kernel (see `normalization_kernels`) that leave it in
         the dtype of the activation it normalized, each with the kernel's full-size inputs:
         the result takes their widest current dtype when that is below float32.
+      linears: each linear layer's matmul index with its bias add's (see `linear_kernels`).
       kernel_reads: per region of a function that is one promoting kernel (`Kernel(PROMOTE)`),
         the floating values its equations read from outside it (see `kernel_reads`).
     """
 
     float32: frozenset[int]
     exits: Mapping[jx.Var, tuple[jx.Var, ...]]
+    linears: Mapping[int, int] = dataclasses.field(default_factory=dict)
     kernel_reads: Mapping[Region, tuple[jx.Var, ...]] = dataclasses.field(default_factory=dict)
 
 
 def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
-    """The float32 equations of `jaxpr` (see `float32_equations`), and its normalization
-    kernels' results (see `normalization_kernels`)."""
+    """The float32 equations of `jaxpr` (see `float32_equations`), its normalization
+    kernels' results (see `normalization_kernels`) and its linear layers (see
+    `linear_kernels`)."""
+    linears = linear_kernels(jaxpr, regions)
     float32 = float32_equations(jaxpr, regions)
     epilogue, exits = normalization_kernels(jaxpr, regions, float32)
     while epilogue:
@@ -76,7 +80,7 @@ def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
         # RMSNorm centres by a constant zero mean outside the statistics' chain).
         float32 = float32_equations(jaxpr, regions, float32 | epilogue)
         epilogue, exits = normalization_kernels(jaxpr, regions, float32)
-    return Plan(float32, exits, kernel_reads(jaxpr, regions))
+    return Plan(float32, exits, linears, kernel_reads(jaxpr, regions))
 
 
 def kernel_reads(jaxpr: jx.Jaxpr, regions: Sequence[Region]
@@ -137,6 +141,9 @@ def _chains(jaxpr: jx.Jaxpr, regions: Sequence[Region], demanding: frozenset[int
     uses: Counter = Counter()
     for i in range(len(eqns)):
         uses.update(counted(i))
+    # A linear layer's bias add is inside its low-precision kernel: a float32 chain after the
+    # layer starts from the layer's result, as torch's float32 kernel reads its low output.
+    layers = {j for i, k in linear_kernels(jaxpr, regions).items() for j in range(i + 1, k + 1)}
     reduced = _statistics(jaxpr)
 
     demanded_uses: Counter = Counter()
@@ -177,7 +184,8 @@ def _chains(jaxpr: jx.Jaxpr, regions: Sequence[Region], demanding: frozenset[int
             continue
         name = eqn.primitive.name
         rule = _rule(eqn, region)
-        feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32) and (
+        feeds = ((name in CHAIN or name in CALLS) and rule in (None, ACCUMULATE_FP32)
+                 and i not in layers and (
             any(demanded(v) for v in eqn.outvars)
             or (name in ELEMENTWISE and any(_is_var(v) and v in float32_results
                                             for v in eqn.invars))))
@@ -192,6 +200,83 @@ def _chains(jaxpr: jx.Jaxpr, regions: Sequence[Region], demanding: frozenset[int
         result.add(i)
         demanded_uses.update(v for v in counted(i) if _castable(v))
     return frozenset(result), tuple(demanded(v) for v in jaxpr.invars)
+
+
+def weights(jaxpr: jx.Jaxpr) -> dict:
+    """The jaxpr's inputs and the values moved or assembled from them only, each with the
+    (size, rank) of the input it comes from (see `moved_weight`)."""
+    origins = {v: shape_key(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        origin = moved_weight(eqn, origins)
+        if origin is not None:
+            origins.update((o, origin) for o in eqn.outvars)
+    return origins
+
+
+def moved_weight(eqn, origins: Mapping) -> tuple[int, int] | None:
+    """The origin of an equation's outputs when it moves or assembles weights only (`origins`:
+    the weights known, by value; flax's OptimizedLSTMCell concatenates its gates' kernels and
+    biases), else None."""
+    name = eqn.primitive.name
+    if name not in MOVES and name not in ASSEMBLES:
+        return None
+    inputs = [a for a in eqn.invars if _is_var(a) and is_floating(a.aval)]
+    if not inputs or not all(a in origins for a in inputs):
+        return None
+    return min(origins[a] for a in inputs)
+
+
+def is_linear_layer(eqn, region: Region, weights) -> bool:
+    """torch's linear and conv: a LOWER matmul without batch dimensions, or a convolution,
+    whose right operand (the kernel) is among `weights`. Attention's batched score matmuls
+    and products of two activations are not: a bias added to those is an activation (a mask)
+    and promotes."""
+    if not region.enabled or region.table.rule(eqn.primitive.name) != LOWER:
+        return False
+    kernel = eqn.invars[1] if len(eqn.invars) > 1 else None
+    return (kernel is not None and _is_var(kernel) and kernel in weights
+            and not jx.has_batch_dimensions(eqn))
+
+
+def linear_kernels(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> dict[int, int]:
+    """torch's `linear`, `conv` and `addmm` as a jaxpr writes them: each linear layer's
+    matmul (`is_linear_layer`), by index, with the index of the `add` of its bias.
+
+    torch adds the bias inside the layer's low-precision kernel. Here the kernel is the
+    matmul, the moves of its result (flax reshapes nothing, but a batch of sequences is
+    reshaped), and one `add` of a weight broadcast to the result, each reading the one before
+    it alone, in one region.
+    """
+    eqns = jaxpr.eqns
+    origins = weights(jaxpr)
+    readers: dict = {}
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _is_var(v):
+                readers.setdefault(v, []).append(k)
+    returned = {v for v in jaxpr.outvars if _is_var(v)}
+    found = {}
+    for i, eqn in enumerate(eqns):
+        if (len(eqn.invars) != 2 or jx.asks_full_precision(eqn.params)
+                or not is_linear_layer(eqn, regions[i], origins)):
+            continue
+        value = eqn.outvars[0]
+        while len(readers.get(value, ())) == 1 and value not in returned:
+            k = readers[value][0]
+            nxt = eqns[k]
+            if regions[k] != regions[i]:
+                break
+            name = nxt.primitive.name
+            if name in MOVES and name != "convert_element_type":
+                value = nxt.outvars[0]
+                continue
+            others = [v for v in nxt.invars if v is not value]
+            if (name == "add" and len(others) == 1 and _is_var(others[0])
+                    and others[0] in origins and _castable(others[0]) and _castable(value)
+                    and was_broadcast(origins[others[0]], nxt.outvars[0])):
+                found[i] = k
+            break
+    return found
 
 
 def _starts_in_body(eqn, region: Region) -> tuple[bool, ...]:
@@ -512,6 +597,7 @@ def _passes(jaxpr: jx.Jaxpr, atom, invar, depth: int) -> bool:
 
 
 __all__ = [
-    "accumulating_carries", "float32_equations", "kernel_reads", "normalization_kernels",
-    "Plan", "plan", "shape_key", "sums_to_scalar", "was_broadcast"
+    "accumulating_carries", "float32_equations", "is_linear_layer", "kernel_reads",
+    "linear_kernels", "moved_weight", "normalization_kernels", "Plan", "plan", "shape_key",
+    "sums_to_scalar", "was_broadcast", "weights"
 ]

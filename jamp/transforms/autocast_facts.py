@@ -25,7 +25,6 @@ import numpy as np
 
 from jamp import _jax_internals as jx
 from jamp.policy import dtypes, primitives
-from jamp.policy.autocast_tables import LOWER
 from jamp.transforms import autocast_dataflow as dataflow
 from jamp.transforms.autocast_rules import Region
 
@@ -170,13 +169,8 @@ class Weights:
     def note(self, eqn) -> None:
         """Records an equation's outputs as weights when it moves or assembles weights only
         (flax's OptimizedLSTMCell concatenates its gates' kernels and biases)."""
-        name = eqn.primitive.name
-        if name not in primitives.MOVES and name not in primitives.ASSEMBLES:
-            return
-        inputs = [a for a in eqn.invars if not isinstance(a, jx.Literal)
-                  and dtypes.is_floating(a.aval)]
-        if inputs and all(a in self._origins for a in inputs):
-            origin = min(self._origins[a] for a in inputs)
+        origin = dataflow.moved_weight(eqn, self._origins)
+        if origin is not None:
             self._origins.update((o, origin) for o in eqn.outvars)
 
 
@@ -205,15 +199,8 @@ class Kernels:
             self._known.update(eqn.outvars)
 
     def is_linear_layer(self, eqn, region: Region) -> bool:
-        """torch's linear and conv: a LOWER matmul without batch dimensions, or a
-        convolution, whose right operand (the kernel) is a weight. Attention's batched score
-        matmuls and products of two activations are not: a bias added to those is an
-        activation (a mask) and promotes."""
-        if not region.enabled or region.table.rule(eqn.primitive.name) != LOWER:
-            return False
-        kernel = eqn.invars[1] if len(eqn.invars) > 1 else None
-        return (kernel is not None and kernel in self._weights
-                and not jx.has_batch_dimensions(eqn))
+        """torch's linear and conv (see `autocast_dataflow.is_linear_layer`)."""
+        return dataflow.is_linear_layer(eqn, region, self._weights)
 
     def follower(self, eqn) -> int | None:
         """The index of the operand that follows a kernel value's low dtype in this op, or
