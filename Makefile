@@ -42,7 +42,7 @@ demo: $(VENV)/.installed-core
 
 # Two worker processes: the suite is mostly XLA compiles, which two cores share well.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 $(VENV)/.installed-lint: pyproject.toml | $(PY)
 	$(PIP) install -e '.[lint]'
