@@ -42,8 +42,11 @@ demo: $(VENV)/.installed-core
 	$(PY) examples/demo.py
 
 # Two worker processes: the suite is mostly XLA compiles, which two cores share well.
+# `--dist loadgroup` hands each worker a test or two at a time, so that both finish together,
+# and keeps the tests of one `xdist_group` mark on one worker: runs that they share through a
+# module-scoped fixture (tests/examples/test_multihost.py) are then made once.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 $(VENV)/.installed-lint: pyproject.toml | $(PY)
 	$(PIP) install -e '.[lint]'

@@ -1,9 +1,14 @@
-"""The benchmarks' statistics say what they claim, and the overhead benchmarks run end to end."""
+"""The benchmarks' statistics say what they claim, and the overhead benchmarks run end to end.
 
+Each benchmark's `main` runs in this process, as `python <script> <options>` would run it (its
+command line in `sys.argv`), on the tests' devices: no second jax start-up per script.
+"""
+
+import importlib
 import pathlib
 import re
-import subprocess
 import sys
+import warnings
 
 import numpy as np
 
@@ -45,19 +50,19 @@ def test_paired_ratios_divide_round_by_round():
     assert ratios == {"base": [1.0, 1.0], "other": [1.5, 1.0]}
 
 
-def quick_ratios(script: str, *options: str) -> tuple[dict[str, str], str]:
+def quick_ratios(monkeypatch, capsys, script: str, *options: str) -> tuple[dict[str, str], str]:
     """Runs a train-step benchmark small; its (candidate: ratio) rows and its output."""
-    result = subprocess.run(
-        [sys.executable, script, "--quick", "--width", "32", "--depth", "1", "--seq", "16",
-         *options],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", result.stdout, re.M)), \
-        result.stdout
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [script, "--quick", "--width", "32", "--depth", "1",
+                                      "--seq", "16", *options])
+    with warnings.catch_warnings():  # a script's warning filters stay in the script's run
+        module.main()
+    out = capsys.readouterr().out
+    return dict(re.findall(r"^  (\S.*?\S)\s+[\d.]+ ms\s+x([\d.]+)", out, re.M)), out
 
 
-def test_scaler_overhead_prints_every_ratio():
-    rows, out = quick_ratios("scaler_overhead.py")
+def test_scaler_overhead_prints_every_ratio(monkeypatch, capsys):
+    rows, out = quick_ratios(monkeypatch, capsys, "scaler_overhead.py")
     assert list(rows) == ["optax.adam (no scaling)", "jamp.loss_scaled(adam)",
                           "jamp.loss_scaled(adam, skip='cond')", "optax.apply_if_finite(adam)",
                           "flax DynamicScale + adam"]
@@ -66,16 +71,17 @@ def test_scaler_overhead_prints_every_ratio():
     assert "(target <= 1.03: " in out
 
 
-def test_anomaly_overhead_prints_every_ratio():
-    rows, _ = quick_ratios("anomaly_overhead.py")
+def test_anomaly_overhead_prints_every_ratio(monkeypatch, capsys):
+    rows, _ = quick_ratios(monkeypatch, capsys, "anomaly_overhead.py")
     assert list(rows) == ["plain step", "step inside detect_anomaly()",
                           "anomaly_checked loss in detect_anomaly()"]
     assert float(rows["plain step"]) == 1.0
     assert all(float(r) > 0 for r in rows.values())
 
 
-def test_autocast_overhead_prints_the_eager_ratio():
-    rows, out = quick_ratios("autocast_overhead.py", "--eager-only", "--eager-width", "32")
+def test_autocast_overhead_prints_the_eager_ratio(monkeypatch, capsys):
+    rows, out = quick_ratios(monkeypatch, capsys, "autocast_overhead.py", "--eager-only",
+                             "--eager-width", "32")
     assert list(rows) == ["plain loss, eager", "jamp.autocast(loss), eager",
                           "jax.grad(loss), eager", "jax.grad(jamp.autocast(loss)), eager"]
     assert float(rows["plain loss, eager"]) == 1.0

@@ -5,10 +5,15 @@ gloo collectives) train the demo's model at O2 with two losses, each with its ow
 against the same run in this process on its 8 devices. At step 3 the loss weight of window 7 of
 the global batch, which the second process holds, is infinite. Then a process is killed with
 SIGKILL after a checkpoint, and the run resumes from the last checkpoint that was completed.
+Every job is started as a shell or CI starts it, `multihost.py --local-processes`: the launcher's
+exit status says whether every process of the job succeeded (the same runs check both).
 """
 
 import json
+import os
 import pathlib
+import re
+import subprocess
 import sys
 
 import jax
@@ -21,6 +26,10 @@ sys.path.insert(0, str(EXAMPLES))
 import multihost  # noqa: E402
 
 pytest.importorskip("orbax.checkpoint")  # the `checkpoint` extra: the runs save checkpoints
+# The module-scoped runs are shared by several tests: `make test` (`--dist loadgroup`) keeps
+# this file's tests on one pytest-xdist worker, so that each run is made once, not once per
+# worker.
+pytestmark = pytest.mark.xdist_group("multihost")
 
 STEPS, BAD_STEP, BAD_ROW = 6, 3, 7
 RUN = ["--steps", str(STEPS), "--batch", "8", "--seq", "16", "--width", "32", "--depth", "1",
@@ -62,14 +71,22 @@ def compilation_cache(tmp_path_factory) -> dict[str, str]:
 
 
 def job(tmp_path: pathlib.Path, cache: dict, name: str, processes: int, *extra: str):
-    """The run as `processes` processes (8 devices in all); their exit codes and reports."""
+    """The run as `processes` processes (8 devices in all), started through the launcher:
+    its completed process, and per process the exit code it printed and the report."""
     report = tmp_path / f"{name}-{{process}}.jsonl"
-    results = multihost.run_local(RUN + ["--report", str(report), *extra], processes,
-                                  8 // processes, env=cache, timeout=300)
-    for i, r in enumerate(results):
+    launcher = subprocess.run(
+        [sys.executable, str(EXAMPLES / "multihost.py"), "--local-processes", str(processes),
+         "--devices-per-process", str(8 // processes), *RUN, "--report", str(report), *extra],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, **cache, JAX_PLATFORMS="cpu"))
+    codes = re.findall(r"^--- process \d+ \(exit (-?\d+)\) ---$", launcher.stdout, re.M)
+    assert len(codes) == processes, launcher.stdout + launcher.stderr
+    results = []
+    for i, code in enumerate(codes):
         path = tmp_path / f"{name}-{i}.jsonl"
-        r["steps"], r["final"] = records(path) if path.exists() else ({}, None)
-    return results
+        steps, final = records(path) if path.exists() else ({}, None)
+        results.append(dict(returncode=int(code), steps=steps, final=final))
+    return launcher, results
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +109,16 @@ def assert_same_run(steps, final, reference_steps, reference_final, from_step=0)
     assert final == reference_final
 
 
+def test_a_job_whose_processes_all_succeed_exits_0(two_processes):
+    launcher, _ = two_processes
+    assert launcher.returncode == 0, launcher.stdout[-3000:] + launcher.stderr
+    assert launcher.stdout.count("(exit 0)") == 2
+
+
 def test_two_processes_decide_as_one_and_as_one_process_does(two_processes, one_process):
     ref_steps, ref_final = one_process
-    first, second = two_processes
-    assert first["returncode"] == second["returncode"] == 0, second["stderr"][-2000:]
+    launcher, (first, second) = two_processes
+    assert first["returncode"] == second["returncode"] == 0, launcher.stdout[-3000:]
     # Every process saw the same losses, loss scales and skip decisions, and ends with the same
     # params, float32 masters and optimizer state, bit for bit, in the copies it holds.
     assert first["steps"] == second["steps"] and first["final"] == second["final"]
@@ -126,13 +149,15 @@ def test_killed_after_a_checkpoint_resumes_bit_identically(tmp_path, processes, 
     if processes == 1:
         ref_steps, ref_final = request.getfixturevalue("one_process")
     else:
-        ref = request.getfixturevalue("two_processes")[0]
+        ref = request.getfixturevalue("two_processes")[1][0]
         ref_steps, ref_final = ref["steps"], ref["final"]
-    crashed = job(tmp_path, compilation_cache, "crashed", processes, *checkpoints,
-                  "--crash-at", f"{crash_at}:{processes - 1}")
-    # The last process killed itself; the launcher ended the others, as a scheduler would.
-    assert crashed[-1]["returncode"] == -9
+    launcher, crashed = job(tmp_path, compilation_cache, "crashed", processes, *checkpoints,
+                            "--crash-at", f"{crash_at}:{processes - 1}")
+    # The last process killed itself; the launcher ended the others, as a scheduler would,
+    # and exits non-zero, saying so, as a shell or CI needs it to.
+    assert crashed[-1]["returncode"] == -9 and "(exit -9)" in launcher.stdout
     assert all(r["returncode"] != 0 and r["final"] is None for r in crashed)
+    assert launcher.returncode != 0 and "the job failed" in launcher.stderr
     steps = crashed[-1]["steps"]
     assert sorted(steps) == list(range(crash_at))
     assert all(steps[i] == ref_steps[i] for i in steps)
@@ -141,7 +166,7 @@ def test_killed_after_a_checkpoint_resumes_bit_identically(tmp_path, processes, 
         resumed_steps, resumed_final = in_process(tmp_path, "resumed", *checkpoints)
         resumed = [dict(returncode=0, steps=resumed_steps, final=resumed_final)]
     else:
-        resumed = job(tmp_path, compilation_cache, "resumed", processes, *checkpoints)
+        _, resumed = job(tmp_path, compilation_cache, "resumed", processes, *checkpoints)
     for r in resumed:
         assert r["returncode"] == 0
         # It started from the last complete checkpoint (step 2, or 4 if that save finished
