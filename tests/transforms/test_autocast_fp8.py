@@ -180,3 +180,24 @@ def test_a_layer_fp8_gemms_cannot_serve_is_named_with_its_shape():
         jax.make_jaxpr(jamp.autocast(model.apply, rules=[("narrow", TENSORWISE)]))(variables, x)
     messages = [str(w.message) for w in caught if issubclass(w.category, Fp8ShapeWarning)]
     assert len(messages) == 1 and "'WithNarrow/narrow'" in messages[0] and "(16, 10)" in messages[0]
+
+
+def test_shard_map_and_custom_vjp_bodies_run_their_linear_layers_in_fp8():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    kernel = jnp.ones((16, 16))
+    x = jnp.ones((8, 16))
+
+    @jax.custom_vjp
+    def layer(x, kernel):
+        return x @ kernel
+
+    layer.defvjp(lambda x, k: (layer(x, k), (x, k)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+    def sharded(x, kernel):
+        return jax.shard_map(lambda x, k: jnp.tanh(layer(x, k)), mesh=mesh,
+                             in_specs=(jax.P("data"), jax.P()), out_specs=jax.P("data"))(x, kernel)
+
+    apply = jamp.autocast(sharded, dtype=jnp.bfloat16, rules=[("**", TENSORWISE)])
+    assert float8_casts(apply, x, kernel) == ["float8_e4m3fn"] * 2
+    assert jax.jit(apply)(x, kernel).dtype == jnp.float32
+
