@@ -25,8 +25,10 @@ import numpy as np
 from jax import lax
 
 from jamp import _jax_internals as jx
+from jamp.debug import fp8_error
 from jamp.debug import program as programs
 from jamp.debug import shadow
+from jamp.fp8.recipes import Recipe, check_recipe
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.rules import module_pattern
 
@@ -201,6 +203,10 @@ class PrecisionReport:
       suggested_loss_scale: the initial loss scale to use (`DynamicLossScale(loss_scale=...)`,
         `GradScaler(init_scale=...)`): `min_loss_scale` when it does not overflow, else
         `max_loss_scale`.
+      fp8: with `precision_report(..., fp8=recipe)`, each module's fp8 error (an
+        `Fp8Error`: signal to noise of its products in fp8 against float32), worst first.
+      fp8_rules: rules that keep the modules fp8 hurts most in bfloat16 and put the others
+        in the recipe: `jamp.autocast(..., rules=report.fp8_rules)`.
     """
 
     dtype: str
@@ -216,6 +222,8 @@ class PrecisionReport:
     min_loss_scale: float | None
     max_loss_scale: float | None
     suggested_loss_scale: float | None
+    fp8: tuple[fp8_error.Fp8Error, ...] = ()
+    fp8_rules: list = dataclasses.field(default_factory=list)
 
     @property
     def overflows(self) -> tuple[Finding, ...]:
@@ -248,6 +256,9 @@ class PrecisionReport:
             dtype=self.dtype, loss_scale=self.loss_scale, loss=self.loss,
             low_loss=self.low_loss, findings=[f.to_dict() for f in self.findings],
             problems=[f.to_dict() for f in self.problems],
+            fp8=[e.to_dict() for e in self.fp8],
+            fp8_rules=[[p, repr(s) if isinstance(s, Recipe) else np.dtype(s).name]
+                       for p, s in self.fp8_rules],
             rules=[[p, np.dtype(s).name] for p, s in self.rules],
             rules_checked=self.rules_checked, unplaced=[f.to_dict() for f in self.unplaced],
             gradient_underflow=self.gradient_underflow, min_loss_scale=self.min_loss_scale,
@@ -290,6 +301,9 @@ class PrecisionReport:
         lines += ["", "largest rounding errors (relative to the value's magnitude):",
                   *_columns([header, *[_cells(i + 1, "rounding", f)
                                        for i, f in enumerate(worst)]], 0)]
+        if self.fp8:
+            recipe = next((s for _, s in self.fp8_rules if not _is_dtype(s)), "fp8")
+            lines += ["", *fp8_error.table_lines(self.fp8, self.fp8_rules, recipe, limit)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -320,6 +334,10 @@ def _power(x: float | None) -> str:
     return f"2^{int(k)}" if k.is_integer() else f"{x:g}"
 
 
+def _is_dtype(setting: Any) -> bool:
+    return not isinstance(setting, Recipe)
+
+
 def _rules_text(rules) -> str:
     return "[" + ", ".join(f"({p!r}, jnp.{np.dtype(s).name})" for p, s in rules) + "]"
 
@@ -328,7 +346,7 @@ def _rules_text(rules) -> str:
 
 def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: str | None = None,
                      rules: Any = None, loss_scale: float | None = None, argnums: Any = 0,
-                     **kwargs: Any) -> PrecisionReport:
+                     fp8: Any = None, **kwargs: Any) -> PrecisionReport:
     """Runs `fn` once in half precision beside a float32 shadow and reports where it breaks.
 
     `fn` runs under `jamp.autocast(fn, dtype=dtype, device_type=device_type, rules=rules)`;
@@ -347,6 +365,9 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
       rules: autocast precision rules to apply (e.g. a previous report's `rules`).
       loss_scale: the scale of the backward pass (default 1).
       argnums: which positional arguments the gradient is taken with respect to.
+      fp8: a `jamp.fp8.recipe(...)`: also measure each module's fp8 error in float32 (its
+        own matmuls' products in fp8 against exact ones) and propose `fp8_rules` that keep
+        the modules fp8 hurts most in bfloat16 (see `jamp.debug.fp8_error`).
       **kwargs: more arguments for `fn`, passed as they are (not traced).
 
     Returns:
@@ -376,6 +397,7 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
       [('/energy', <class 'jax.numpy.float32'>)]
     """
     caller = "precision_report"
+    recipe = None if fp8 is None else check_recipe(fp8, "fp8")
     run = _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums)
     first = run(rules)
     proposed: list[tuple[str, Any]] = []
@@ -393,8 +415,9 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
         if not _forward_overflows(current.findings):
             checked = True
             break
+    errors, fp8_rules = fp8_error.measure(fn, args, kwargs, recipe) if recipe else ((), [])
     return dataclasses.replace(first, rules=proposed, rules_checked=checked and not unplaced,
-                               unplaced=unplaced)
+                               unplaced=unplaced, fp8=errors, fp8_rules=fp8_rules)
 
 
 def _forward_overflows(findings) -> list[Finding]:
