@@ -8,8 +8,10 @@ from typing import Any, Callable
 import jax
 
 from jamp._checks import check_bool
+from jamp.fp8.recipes import Recipe
 from jamp.policy.autocast_tables import (
     OpTable, autocast_table, canonical_device_type, check_autocast_dtype)
+from jamp.policy.dtypes import is_fp8_dtype
 from jamp.transforms import autocast_rules, autocast_state
 from jamp.transforms import boundary, programs
 from jamp.transforms import rules as precision_rules
@@ -59,7 +61,9 @@ def autocast(
       device_type: "cuda" (or its aliases "gpu" and "rocm"), "cpu" or "tpu"; default:
         `jax.default_backend()`.
       dtype: the low dtype; default float16 on cuda/gpu, bfloat16 on cpu and tpu. float16 on
-        the CPU works: XLA emulates it.
+        the CPU works: XLA emulates it. An fp8 recipe (`jamp.fp8.recipe("tensorwise")`) runs
+        every linear layer's product through `jamp.fp8` and the rest in the default dtype
+        (docs/fp8.md); a float8 dtype is refused with a message saying how to write one.
       enabled: False returns `fn` unchanged (as a region: autocast off inside).
       cache_enabled: accepted for torch compatibility (default True). True casts each value
         to each dtype once per (sub-)program, so a weight used by several matmuls is converted
@@ -75,9 +79,10 @@ def autocast(
         `"flax.nnx.BatchNorm"`). A setting is a dtype (`jnp.float32`: the module computes in
         it, its matmuls too, and reads the activations autocast lowered before it in it),
         `"off"` (autocast off: the program's own dtypes), `"on"` (the transform's dtype and
-        table, no rule) or an `OpTable`. Regions opened inside a matched module nest inside
-        it. A rule that decides no equation when `fn` is traced is an error. See
-        `jamp.transforms.rules`.
+        table, no rule), an `OpTable` or an fp8 recipe (the module's linear layers, Dense,
+        DenseGeneral, Einsum and Conv, multiply in float8; docs/fp8.md). Regions opened
+        inside a matched module nest inside it. A rule that decides no equation when `fn`
+        is traced is an error. See `jamp.transforms.rules`.
 
     Raises:
       ValueError: for an unknown `device_type` or a `dtype` that is not float16, bfloat16 or
@@ -168,8 +173,12 @@ class AutocastRegion:
             device_type = op_table.device_type if op_table is not None else jax.default_backend()
         self.device_type = canonical_device_type(device_type)
         self.table = op_table if op_table is not None else autocast_table(self.device_type)
-        self._explicit_dtype = dtype is not None
-        self.dtype = (check_autocast_dtype(dtype) if dtype is not None
+        # An fp8 recipe as the dtype: every linear layer's product in fp8, the rest in the
+        # device's default dtype (as rules=[("**", recipe)] on a transform without a dtype).
+        self.fp8 = (precision_rules.check_rule_setting(dtype, "dtype")
+                    if isinstance(dtype, Recipe) or is_fp8_dtype(dtype) else None)
+        self._explicit_dtype = dtype is not None and self.fp8 is None
+        self.dtype = (check_autocast_dtype(dtype) if self._explicit_dtype
                       else self.table.default_dtype)
         self.enabled = enabled
         self.cache_enabled = cache_enabled
@@ -191,6 +200,11 @@ class AutocastRegion:
             dtype=self.dtype if self._explicit_dtype else None)
 
     def __enter__(self):
+        if self.fp8 is not None:
+            raise ValueError(
+                "An fp8 recipe applies to a transform (jamp.autocast(fn, dtype=recipe), or a "
+                "module's rule: rules=[(pattern, recipe)]); a region (`with "
+                "jamp.autocast(...)`) sets only enabled, dtype and device_type.")
         if self._custom_table or self._rules:
             given = "op_table applies" if self._custom_table else "rules apply"
             raise ValueError(
@@ -216,7 +230,8 @@ class AutocastRegion:
             return disabled
 
         region = precision_rules.with_rules(
-            autocast_rules.Region(enabled=True, dtype=self.dtype, table=self.table),
+            autocast_rules.Region(enabled=True, dtype=self.dtype, table=self.table,
+                                  fp8=self.fp8),
             precision_rules.rule_set(self._rules, self.table))
         settings = (region, self.cache_enabled, self.cast_outputs)
 

@@ -53,6 +53,10 @@ class Region:
       kernel: inside a function a rule makes one torch kernel
         (`jamp.policy.autocast_tables.Kernel`): its rule, `FP32`, `LOWER` or `PROMOTE`;
         else None.
+      fp8: inside a module a precision rule (or the transform's dtype) sets to an fp8 recipe
+        (`jamp.fp8.Recipe`): its linear layers' products run through `jamp.fp8`; else None.
+      fp8_every: set by a function rule: every matmul and convolution in the function runs
+        through `jamp.fp8`, products of two activations (attention's) included.
     """
 
     enabled: bool
@@ -64,12 +68,15 @@ class Region:
     entry_dtype: np.dtype | None = None
     scope: Any = None
     kernel: str | None = None
+    fp8: Any = None
+    fp8_every: bool = False
 
     def off_as_is(self) -> "Region":
         """The state of a custom_vjp bwd: autocast off, ops in their inputs' types (no
         precision rule applies inside, as no region does)."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
-                                   forward=self, entry_dtype=None, scope=None, kernel=None)
+                                   forward=self, entry_dtype=None, scope=None, kernel=None,
+                                   fp8=None, fp8_every=False)
 
 
 def marker(**fields) -> str:
@@ -115,6 +122,9 @@ def apply_markers(region: Region, markers) -> Region:
             changes["as_is"] = fields.get("as_is") == "1"
         if {"device", "dtype", "enabled"} & fields.keys():
             changes["entry_dtype"] = None  # a region inside a ruled module sets its own
+        if {"device", "dtype"} & fields.keys():
+            # A region that names its dtype runs in it, also inside an fp8 module.
+            changes.update(fp8=None, fp8_every=False)
         if "cast_inputs" in fields:
             # Outside an enabled region custom_fwd is a no-op (torch).
             changes["cast_inputs"] = np.dtype(fields["cast_inputs"]) if region.enabled else None

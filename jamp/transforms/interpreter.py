@@ -44,6 +44,7 @@ from jamp import _jax_internals as jx
 from jamp.policy import dtypes, primitives
 from jamp.policy.autocast_tables import FP32, LOWER
 from jamp.transforms import autocast_dataflow as dataflow
+from jamp.transforms import autocast_fp8
 from jamp.transforms import autocast_facts
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
@@ -316,6 +317,9 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     bias = follower if name in primitives.ADDITIVE else None
     invals = [env.casts.read(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
+    if not wide and autocast_fp8.runs_in_fp8(eqn, region,
+                                             facts.kernels.is_linear_layer(eqn, region)):
+        return _fp8_product(autocast, env, eqn, targets)
     # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
     # inputs (jnp.matmul of bfloat16 and float32) computes in their promotion, as traced.
     result = rules.widest(v.dtype for v, f in zip(invals, floating, strict=True) if f)
@@ -335,6 +339,19 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     facts.kernels.note(eqn, region, result)
     outs = jx.bind(eqn, params, invals)
     facts.note(eqn, outs)
+    return outs
+
+
+def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, targets) -> list[Any]:
+    """A linear layer in a module set to an fp8 recipe (`autocast_fp8`): the input read in the
+    dtype the rules give it, the weight in its own."""
+    region = env.eqn_region
+    lhs = env.casts.read(eqn.invars[0], targets[0])
+    rhs = autocast.read(env, eqn.invars[1])
+    path = () if region.scope is None else precision_rules.module_path((), region.scope.names)
+    outs = [autocast_fp8.product(eqn, lhs, rhs, region, path)]
+    env.facts.kernels.note(eqn, region, outs[0].dtype)
+    env.facts.note(eqn, outs)
     return outs
 
 

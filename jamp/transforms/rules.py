@@ -40,11 +40,13 @@ import inspect
 import pkgutil
 import re
 from fnmatch import fnmatchcase
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 from jamp import _jax_internals as jx
+from jamp.fp8.recipes import Recipe, check_recipe
 from jamp.policy.autocast_tables import (
     OFF, ON, Kernel, OpRules, OpTable, Setting, check_setting)
+from jamp.policy.dtypes import is_fp8_dtype
 from jamp.transforms.autocast_rules import MARKER_PREFIX, Region, apply_markers, parse_markers
 
 _NONE: frozenset[int] = frozenset()
@@ -222,10 +224,17 @@ class Rule:
             changes = dict(enabled=True, table=setting.applied_to(region.table))
         elif isinstance(setting, Kernel):
             changes = dict(enabled=True, kernel=setting.rule)
+        elif isinstance(setting, Recipe):
+            # The module keeps the region's dtype; its linear layers' products (a function
+            # rule's: all its products) run through jamp.fp8.
+            changes = dict(enabled=True, fp8=setting, fp8_every=bool(self.codes))
         else:
             changes = dict(enabled=True, dtype=setting, entry_dtype=setting)
+        if isinstance(setting, str) and setting == ON:
+            changes.update(fp8=start.fp8, fp8_every=start.fp8_every)
         return dataclasses.replace(
-            region, **{"as_is": False, "entry_dtype": None, "kernel": None, **changes})
+            region, **{"as_is": False, "entry_dtype": None, "kernel": None, "fp8": None,
+                       "fp8_every": False, **changes})
 
 
 class RuleSet:
@@ -315,8 +324,29 @@ def checked_rules(rules: Any) -> tuple[tuple[str, Setting], ...]:
                 f"glob or a function's qualified name); got {type(pattern).__name__}.")
         if not _resolved_codes(pattern):
             _segments(pattern)
-        checked.append((pattern, check_setting(setting, tuple(rule))))
+        checked.append((pattern, check_rule_setting(setting, tuple(rule))))
     return tuple(checked)
+
+
+def check_rule_setting(setting: Any, rule: Any) -> Setting:
+    """A rule's setting checked: an fp8 recipe (`jamp.fp8.recipe`) or what
+    `jamp.policy.autocast_tables.check_setting` accepts.
+
+    Raises:
+      TypeError: for a float8 dtype, saying how to write a recipe; for the delayed recipe, whose
+        state autocast does not thread.
+      ValueError: as `check_setting`.
+    """
+    if is_fp8_dtype(setting) or isinstance(setting, Recipe):
+        recipe = check_recipe(setting, f"precision rule {rule!r} sets dtype")
+        if recipe.scaling == "delayed":
+            raise TypeError(
+                f"Precision rule {rule!r} sets the delayed fp8 recipe: its amax history is "
+                "state that autocast does not thread through a step. Use a current-scaling "
+                "recipe (jamp.fp8.recipe(\"tensorwise\")) in rules, or call "
+                "jamp.fp8.dot_general(..., state=...) yourself.")
+        return cast(Setting, recipe)
+    return check_setting(setting, rule)
 
 
 # -- where an equation sits, and its region ---------------------------------------------------
@@ -484,7 +514,7 @@ def _closest(rule: Rule, paths: list[tuple[str, ...]]) -> str:
 
 
 __all__ = [
-    "check_matched", "checked_rules", "equation_path", "is_module_scope", "locate", "Location",
-    "module_path", "module_pattern", "region_here", "region_of", "Rule", "rule_set", "RuleSet",
-    "Scope", "with_rules"
+    "check_matched", "check_rule_setting", "checked_rules", "equation_path", "is_module_scope",
+    "locate", "Location", "module_path", "module_pattern", "region_here", "region_of", "Rule",
+    "rule_set", "RuleSet", "Scope", "with_rules"
 ]

@@ -1,0 +1,182 @@
+"""fp8 recipes as precision settings: the linear layers of the modules a rule selects multiply
+in float8 through `jamp.fp8`, the rest of the region keeps its dtype (docs/fp8.md, "Choosing
+modules"). Dtypes are read from the jaxpr of the transformed function."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jamp
+from jamp.transforms.autocast_fp8 import Fp8ShapeWarning
+
+from helpers import jaxpr_eqns
+
+TENSORWISE = jamp.fp8.recipe("tensorwise")
+
+
+def float8_casts(fn, *args) -> list[str]:
+    """The float8 dtype of each cast to float8 in `fn`'s jaxpr (bodies included)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [np.dtype(e.params["new_dtype"]).name for e in jaxpr_eqns(jaxpr, "convert_element_type")
+            if np.dtype(e.params["new_dtype"]).itemsize == 1
+            and "float8" in np.dtype(e.params["new_dtype"]).name]
+
+
+def dot_dtypes(fn, *args) -> list[tuple[str, str]]:
+    """(operand dtype, result dtype) of each dot_general of `fn`'s jaxpr (bodies included)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [(np.dtype(e.invars[0].aval.dtype).name, np.dtype(e.outvars[0].aval.dtype).name)
+            for e in jaxpr_eqns(jaxpr, "dot_general")]
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(nn.relu(nn.Dense(16)(x)))
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="head")(Block()(Block()(x)))
+
+
+@pytest.fixture(scope="module")
+def net():
+    x = jnp.linspace(-2.0, 2.0, 4 * 16).reshape(4, 16)
+    model = Net()
+    return model, model.init(jax.random.key(0), x), x
+
+
+def test_rule_selects_the_blocks_linear_layers_and_the_head_stays_bfloat16(net):
+    model, variables, x = net
+    apply = jamp.autocast(model.apply, dtype=jnp.bfloat16,
+                          rules=[("head", jnp.bfloat16), ("Block_*", TENSORWISE)])
+    # Four Dense layers, each casting its input and its kernel to e4m3; the head none.
+    assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 8
+    # The head multiplies in bfloat16; the fp8 products multiply dequantized float8 values
+    # with a float32 accumulator.
+    assert dot_dtypes(apply, variables, x).count(("bfloat16", "bfloat16")) == 1
+    # The backward casts the output gradient to e5m2 (tensorwise's grad_input, grad_weight).
+    grad = jax.grad(lambda v: apply(v, x).sum())
+    assert float8_casts(grad, variables).count("float8_e5m2") == 8
+    grads = jax.jit(grad)(variables)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_a_layer_under_float32_equals_jamp_fp8_dot_general():
+    x = jnp.linspace(-3.0, 3.0, 4 * 16).reshape(4, 16)
+    layer = nn.Dense(16)
+    variables = layer.init(jax.random.key(1), x)
+    apply = jax.jit(jamp.autocast(layer.apply, dtype=jnp.float32, rules=[("**", TENSORWISE)]))
+    params = variables["params"]
+    expected = jamp.fp8.dot_general(x, params["kernel"], (((1,), (0,)), ((), ())),
+                                    TENSORWISE) + params["bias"]
+    out = apply(variables, x)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    # ... and differs from the float32 layer by float8's rounding.
+    assert float(jnp.abs(out - layer.apply(variables, x)).max()) > 1e-3
+
+
+def test_recipe_as_autocast_dtype_runs_every_linear_layer_in_fp8(net):
+    model, variables, x = net
+    apply = jamp.autocast(model.apply, dtype=TENSORWISE)
+    assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 10
+    with pytest.raises(ValueError, match="applies to a transform"):
+        with jamp.autocast(dtype=TENSORWISE):
+            pass
+
+
+def test_nnx_linear_conv_and_einsum_and_linen_scan_remat_conv_einsum():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.conv = nnx.Conv(16, 16, (3,), rngs=nnx.Rngs(0))
+            self.einsum = nnx.Einsum("btd,dk->btk", (16, 16), rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.einsum(self.conv(self.linear(x)))
+
+    x = jnp.ones((2, 8, 16))
+    run = jamp.autocast(lambda m, x: m(x), dtype=jnp.bfloat16,
+                        rules=[("linear", TENSORWISE), ("conv", TENSORWISE),
+                               ("einsum", TENSORWISE)])
+    assert float8_casts(run, Model(), x) == ["float8_e4m3fn"] * 6
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.Dense(16)(x), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Einsum((16, 16), "btd,dk->btk")(nn.Conv(16, (3,))(x))
+            layers = nn.scan(nn.remat(Layer), variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=2)
+            return layers()(x, None)[0]
+
+    model = Stack()
+    variables = model.init(jax.random.key(0), x)
+    apply = jamp.autocast(model.apply, dtype=jnp.bfloat16, rules=[("**", TENSORWISE)])
+    # conv, einsum, and the scanned Dense once in the scan's body.
+    assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 6
+    assert float8_casts(jax.vmap(apply, in_axes=(None, 0)), variables, x[None]) == (
+        ["float8_e4m3fn"] * 6)
+    # Differentiated through the remat and the scan: the backward's e5m2 casts are there.
+    grad = jax.grad(lambda v: apply(v, x).astype(jnp.float32).sum())
+    assert float8_casts(grad, variables).count("float8_e5m2") == 6
+
+
+def test_attention_matmuls_stay_unless_a_function_rule_names_them():
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            q = nn.Dense(16)(x)[..., None, :]
+            return nn.dot_product_attention(q, q, q)
+
+    x = jnp.ones((2, 16, 16))
+    model = Attention()
+    variables = model.init(jax.random.key(0), x)
+    module_rule = jamp.autocast(model.apply, dtype=jnp.bfloat16, rules=[("**", TENSORWISE)])
+    assert float8_casts(module_rule, variables, x) == ["float8_e4m3fn"] * 2
+    named = jamp.autocast(model.apply, dtype=jnp.bfloat16,
+                          rules=[("flax.linen.dot_product_attention", TENSORWISE),
+                                 ("**", TENSORWISE)])
+    assert float8_casts(named, variables, x) == ["float8_e4m3fn"] * 6
+
+
+def test_float8_dtype_and_delayed_recipe_and_unmatched_rule_are_refused(net):
+    model, variables, x = net
+    with pytest.raises(TypeError, match=r'jamp\.fp8\.recipe\("tensorwise"\)'):
+        jamp.autocast(model.apply, rules=[("Block_*", jnp.float8_e4m3fn)])
+    with pytest.raises(TypeError, match=r'jamp\.fp8\.recipe\("tensorwise"\)'):
+        jamp.autocast(model.apply, dtype=jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="delayed"):
+        jamp.autocast(model.apply, rules=[("Block_*", jamp.fp8.recipe("delayed"))])
+    with pytest.raises(ValueError, match="'Blok_\\*' matched nothing"):
+        jamp.autocast(model.apply, rules=[("Blok_*", TENSORWISE)])(variables, x)
+
+
+def test_a_layer_fp8_gemms_cannot_serve_is_named_with_its_shape():
+    x = jnp.ones((4, 16))
+
+    class WithNarrow(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10, name="narrow")(x)
+
+    model = WithNarrow()
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.make_jaxpr(jamp.autocast(model.apply, rules=[("narrow", TENSORWISE)]))(variables, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, Fp8ShapeWarning)]
+    assert len(messages) == 1 and "'WithNarrow/narrow'" in messages[0] and "(16, 10)" in messages[0]
