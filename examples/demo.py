@@ -111,6 +111,12 @@ def float32_loss(apply_fn):
     return loss
 
 
+def fp8_rules(recipe) -> list:
+    """The blocks' linear layers in fp8, the LM head (the model's last Dense: its logits reach
+    the loss unfiltered) in bfloat16."""
+    return [("/ByteGPT/Dense_0", jnp.bfloat16), ("Block_*", recipe)]
+
+
 def amp_run(name, model, variables, tx, opt_level, **overrides) -> Run:
     apply_fn, variables, tx = jamp.initialize(model.apply, variables, tx, opt_level=opt_level,
                                               verbosity=0, **overrides)
