@@ -41,15 +41,16 @@ def product(eqn, lhs, rhs, region: Region, path: Sequence[str]) -> jax.Array:
     """`eqn`'s product of `lhs` (the input) and `rhs` (the weight) through `jamp.fp8` with the
     region's recipe, its result in the region's dtype; `path` names the module in the warning
     for a weight float8 GEMMs cannot serve on a GPU."""
-    params = dict(eqn.params)
-    params.pop("precision", None)
-    params.pop("preferred_element_type", None)
+    params = eqn.params
     _check_dimensions(eqn, rhs.shape, path)
     if eqn.primitive.name == "dot_general":
-        return fp8.dot_general(lhs, rhs, params.pop("dimension_numbers"), region.fp8,
-                               preferred_element_type=region.dtype, **params)
-    return fp8.conv_general_dilated(lhs, rhs, **params, recipe=region.fp8,
-                                    preferred_element_type=region.dtype)
+        return fp8.dot_general(lhs, rhs, params["dimension_numbers"], region.fp8,
+                               preferred_element_type=region.dtype,
+                               out_sharding=params.get("out_sharding"))
+    return fp8.conv_general_dilated(
+        lhs, rhs, params["window_strides"], params["padding"], params["lhs_dilation"],
+        params["rhs_dilation"], params["dimension_numbers"], params["feature_group_count"],
+        params["batch_group_count"], recipe=region.fp8, preferred_element_type=region.dtype)
 
 
 def _weight_dimensions(eqn, shape: Sequence[int]) -> tuple[int, int]:

@@ -29,7 +29,14 @@ def _state_moves(ns):
     assert float(state.input_scale[0]) != 1.0 and float(state.output_grad_scale[0]) != 1.0
 
 
+def _blocks_in_fp8(ns):
+    assert ns["fp8_casts"] == 8
+    assert ns["logits"].dtype == jnp.float32 and ns["logits"].shape == (8, 16)
+    assert bool(jnp.all(jnp.isfinite(ns["logits"])))
+
+
 CHECKS = {
+    "logits = jax.jit(apply)(variables, tokens)": _blocks_in_fp8,
     "cast = jax.jit(jamp.fp8.saturating_cast": _saturates,
     "grads = jax.grad(loss)(kernel, x)": _bfloat16_grads,
     "kernel, state = train_step(kernel, state, x)": _state_moves,
