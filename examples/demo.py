@@ -16,9 +16,9 @@ Each run computes its loss in float32 from the model's logits. The script shows 
 per run, then a table (train and validation loss, skipped steps, median step time, the dtypes of
 the params and of the optimizer's master weights, the dtypes of the matmuls of the compiled
 training step, read from its StableHLO, and the shares of its matmul FLOPs in half precision
-and in fp8, from `jamp.profile.amp_report`), a PNG plot of the loss and the loss scale per step, and what
-the numbers say. A closing line is `jamp.debug.precision_report`'s on one small batch: whether
-any module overflows float16 and the initial loss scale it suggests.
+and in fp8, from `jamp.profile.amp_report`), a PNG plot of the loss and the loss scale per
+step, and what the numbers say. A closing line is `jamp.debug.precision_report`'s on one
+small batch: whether any module overflows float16 and the initial loss scale it suggests.
 """
 
 from __future__ import annotations
