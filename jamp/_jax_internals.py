@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import os
 import types
@@ -475,6 +476,33 @@ def set_in_this_thread(state) -> bool:
     """Whether a `with` block of this thread has set the JAX config option `state`, so that the
     thread reads the block's value, not the process's. Not public: the thread's own value."""
     return state.get_local() is not _config.config_ext.unset
+
+
+# The modules of JAX that raise `FloatingPointError` when `jax_debug_nans` / `jax_debug_infs`
+# finds a value: eager operations and jitted calls (pjit, api), the op-by-op rerun of a jitted
+# call or backward pass (api_util), shard_map, and scipy's ndtri.
+_VALUE_CHECK_RAISERS = ("jax._src.api", "jax._src.api_util", "jax._src.pjit",
+                        "jax._src.shard_map", "jax._src.scipy.special")
+
+
+def raise_value_checks_as(error_type: type[FloatingPointError] | None) -> None:
+    """Makes JAX's `jax_debug_nans` / `jax_debug_infs` checks raise `error_type` (a subclass of
+    `FloatingPointError`), in every thread, or `FloatingPointError` again with None.
+
+    JAX gives no hook for the type of that error, and raises it deep in its dispatch, inside
+    the user's code: nothing around the user's call can retype it before the user's own
+    `except` sees it. Its modules name the builtin `FloatingPointError` at each raise (and in
+    the `except` of their op-by-op rerun), so a module global of that name shadows it there.
+    Not public: the modules and their use of the builtin's name."""
+    for name in _VALUE_CHECK_RAISERS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:  # a jax without that module raises from the others
+            continue
+        if error_type is None:
+            vars(module).pop("FloatingPointError", None)
+        else:
+            module.FloatingPointError = error_type  # type: ignore[attr-defined]
 
 
 def unfiltered_tracebacks():

@@ -35,13 +35,15 @@ option in `jax.jit`'s cache key, read when a function wrapped in `anomaly_checke
 It also turns on JAX's own checks, `jax_debug_nans` (and `jax_debug_infs` for `check_inf`), for
 everything else that runs while it is on: JAX tests the outputs of every operation run eagerly
 and of every compiled call, and when a compiled call returns a NaN it runs the call again op by
-op and raises `FloatingPointError` at the primitive that made it. For a backward pass under
-`jax.jit` that error names the primitive only; a `with` block keeps JAX's frames in the
-error's traceback while it is on, and on leaving adds the traceback of the forward call (the
-source info of the equation JAX was evaluating) as a note, then filters the traceback as JAX
-would have, and raises the error as a `FloatingPointAnomalyError` (torch's anomaly errors are
-`RuntimeError`s). Functions marked `anomaly_checked` are evaluated with JAX's checks off:
-jamp's own checks, with their richer report, see every value there first.
+op and raises at the primitive that made it. While the mode is on, that error is a
+`FloatingPointAnomalyError` from the moment JAX raises it (torch's anomaly errors are
+`RuntimeError`s, and torch users catch them inside the block): JAX's modules are made to raise
+that type in place of `FloatingPointError` (`jx.raise_value_checks_as`; JAX has no hook). For a
+backward pass under `jax.jit` that error names the primitive only; a `with` block keeps JAX's
+frames in the error's traceback while it is on, and on leaving adds the traceback of the
+forward call (the source info of the equation JAX was evaluating) as a note, then filters the
+traceback as JAX would have. Functions marked `anomaly_checked` are evaluated with JAX's
+checks off: jamp's own checks, with their richer report, see every value there first.
 
 Forward mode: JAX refuses `jax.jvp` through a `jax.custom_vjp`, so where forward-mode
 differentiation acts on the inputs (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) the function is
@@ -55,6 +57,7 @@ import contextlib
 import dataclasses
 import functools
 import linecache
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -82,11 +85,10 @@ class AnomalyError(RuntimeError):
 
 
 class FloatingPointAnomalyError(AnomalyError, FloatingPointError):
-    """JAX's `FloatingPointError` (from `jax_debug_nans` / `jax_debug_infs`) as it leaves a
-    `with detect_anomaly():` or `with set_detect_anomaly(True):` block: the same message, with
-    the user's forward line in a note, and a `RuntimeError` as torch's anomaly error is, so
-    `except RuntimeError`, `except AnomalyError` and `except FloatingPointError` all catch
-    it."""
+    """The error JAX's checks (`jax_debug_nans` / `jax_debug_infs`) raise while anomaly mode is
+    on: JAX's message, and a `RuntimeError` as torch's anomaly error is, so `except
+    RuntimeError`, `except AnomalyError` and `except FloatingPointError` all catch it, inside
+    the block as outside. Leaving a `with` block it gets the user's forward line in a note."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,29 @@ def _mode_value(mode: bool, checks: Checks) -> str:
         return "off"
     kinds = [k for k, on in (("nan", checks.nan), ("inf", checks.inf)) if on]
     return "on:" + ",".join(kinds) if kinds else "on"
+
+
+class _JaxErrorType:
+    """Which type JAX's checks raise: `FloatingPointAnomalyError` while anomaly mode is on in
+    some thread (a `with` block of either form is open, or the mode is set for the process),
+    JAX's own `FloatingPointError` otherwise. JAX's checks are one setting per thread but the
+    type they raise is one per process (`jx.raise_value_checks_as`), so while one thread is in
+    anomaly mode, another thread's own `jax_debug_nans` raises the anomaly type too (still a
+    `FloatingPointError`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open_blocks = 0
+
+    def update(self, opened: int = 0) -> None:
+        """Follows the mode after it changed: `opened` blocks entered (or, negative, left)."""
+        with self._lock:
+            self._open_blocks += opened
+            on = self._open_blocks > 0 or _MODE.get_global() != "off"
+            jx.raise_value_checks_as(FloatingPointAnomalyError if on else None)
+
+
+_JAX_ERROR_TYPE = _JaxErrorType()
 
 
 def _mode_checks() -> Checks | None:
@@ -153,11 +178,11 @@ class detect_anomaly:
     As a context manager, `with detect_anomaly():` turns anomaly mode on for the block of this
     thread, torch's way: everything run inside is checked, marked or not. JAX's own checks
     (`jax_debug_nans`, and `jax_debug_infs` with `check_inf`) test the outputs of every
-    operation and of every compiled call, and raise `FloatingPointError` at the primitive
+    operation and of every compiled call, and raise `FloatingPointAnomalyError` (a
+    `RuntimeError` as torch's error is, and a `FloatingPointError` as JAX's is) at the primitive
     that made a NaN, forward or backward, also under `jax.jit(jax.grad(f))`; leaving the block,
     that error gets a note "Traceback of forward call that caused the error" naming the user's
-    line (for a backward NaN, the forward line whose gradient made it) and goes on as a
-    `FloatingPointAnomalyError`, a `RuntimeError` as torch's is. Functions wrapped in
+    line (for a backward NaN, the forward line whose gradient made it). Functions wrapped in
     `anomaly_checked` are checked by jamp instead, with the report described above. The
     previous settings return when the block ends, also on an error. Under `jax.jit` only a
     compiled call's outputs are tested: a NaN that does not reach them (a forward value whose
@@ -204,12 +229,13 @@ class detect_anomaly:
         block.enter_context(_MODE(_mode_value(True, self.checks)))
         block.enter_context(_jax_checks(self.checks))
         self._previous.append(block)
+        _JAX_ERROR_TYPE.update(opened=1)
 
     def __exit__(self, exc_type, error, tb) -> None:
         self._previous.pop().close()
-        anomaly = None if error is None else _leave_with(error)
-        if anomaly is not None:
-            raise anomaly from None  # JAX's FloatingPointError, also a RuntimeError as torch's
+        _JAX_ERROR_TYPE.update(opened=-1)
+        if error is not None:
+            _name_the_source(error)
 
 
 class set_detect_anomaly:
@@ -222,8 +248,9 @@ class set_detect_anomaly:
     `jax_debug_infs` are set to `mode and check_nan` / `mode and check_inf` for everything
     else (see `detect_anomaly`). As a context manager, it restores
     the previous settings on exit and, like `with detect_anomaly():`, adds the forward line to
-    JAX's error; as a statement JAX's error is left as JAX raises it (under
-    `jax.jit(jax.grad(f))`, a backward NaN is named by its primitive only). The mode is read
+    JAX's error; as a statement there is no moment to add it (under `jax.jit(jax.grad(f))`, a
+    backward NaN is named by its primitive only). In both forms the error is a
+    `FloatingPointAnomalyError`, a `RuntimeError` as torch's is. The mode is read
     when a marked function is traced, and `jax.jit` keys its cache on it: a jitted function
     called after the mode changed is traced again (once per mode), so turning the mode off
     returns to the unchecked program, compiled as before. JAX's checks are not in the cache
@@ -253,11 +280,13 @@ class set_detect_anomaly:
         jax.config.update(_MODE.name, _mode_value(mode, checks))
         jax.config.update("jax_debug_nans", self.checks.nan)
         jax.config.update("jax_debug_infs", self.checks.inf)
+        _JAX_ERROR_TYPE.update()
 
     def __enter__(self) -> None:
         # The settings are in effect from the call on; a block also names the source.
         if self.checks.values:
             self._block.enter_context(jx.unfiltered_tracebacks())
+        _JAX_ERROR_TYPE.update(opened=1)
 
     def __exit__(self, exc_type, error, tb) -> None:
         self._block.close()
@@ -266,9 +295,9 @@ class set_detect_anomaly:
             jax.config.update(_MODE.name, mode)
             jax.config.update("jax_debug_nans", nan)
             jax.config.update("jax_debug_infs", inf)
-        anomaly = None if error is None else _leave_with(error)
-        if anomaly is not None:
-            raise anomaly from None  # JAX's FloatingPointError, also a RuntimeError as torch's
+        _JAX_ERROR_TYPE.update(opened=-1)
+        if error is not None:
+            _name_the_source(error)
 
 
 @contextlib.contextmanager
@@ -290,26 +319,12 @@ def _name_the_source(error: BaseException) -> None:
     the user's code that made the value (for a backward pass, the forward line: JAX's own
     error from `jax.jit(jax.grad(f))` names only the primitive); then the error's traceback
     loses JAX's frames as it would have without the block."""
-    if (isinstance(error, FloatingPointError)
+    if (isinstance(error, FloatingPointAnomalyError)
             and not getattr(error, "_jamp_anomaly_noted", False)):
         frames = jx.error_source(error.__traceback__)
         if frames:
             _add_note(error, _format_frames(frames))
     jx.filter_traceback(error)
-
-
-def _leave_with(error: BaseException) -> FloatingPointAnomalyError | None:
-    """An error leaving an anomaly block, named at its source (`_name_the_source`): for JAX's
-    `FloatingPointError`, the `FloatingPointAnomalyError` to raise in its place (the same
-    message, notes and traceback), which torch users catch as the `RuntimeError` torch
-    raises."""
-    _name_the_source(error)
-    if type(error) is not FloatingPointError:
-        return None
-    anomaly = FloatingPointAnomalyError(*error.args)
-    anomaly.__notes__ = list(getattr(error, "__notes__", []))
-    anomaly._jamp_anomaly_noted = True  # type: ignore[attr-defined]  # a mark, on purpose
-    return anomaly.with_traceback(error.__traceback__)
 
 
 def _add_note(error: BaseException, note: str) -> None:

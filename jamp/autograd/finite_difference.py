@@ -50,7 +50,7 @@ from jamp import _jax_internals as jx
 from jamp._checks import ArgumentAssertionError, check_bool, check_positive
 from jamp.policy.dtypes import is_inexact
 
-__all__ = ["GradcheckError", "gradcheck", "gradgradcheck"]
+__all__ = ["GradcheckError", "PerturbedOutputError", "gradcheck", "gradgradcheck"]
 
 # One seed: fast mode's random vectors and gradgradcheck's grad_outputs are the same in every
 # run, as torch's are (a fresh default-seeded generator each call).
@@ -60,6 +60,13 @@ _SEED = 0
 class GradcheckError(RuntimeError):
     """gradcheck or gradgradcheck found derivatives that disagree with finite differences, or
     a backward that breaks one of the rules it checks. A RuntimeError, as torch's is."""
+
+
+class PerturbedOutputError(AssertionError):
+    """An output of the function gradcheck checks changed its shape or dtype when an input was
+    nudged by `eps`, so finite differences have no meaning there. torch asserts this (an
+    `AssertionError`, also with `raise_exception=False`: the function cannot be checked, which
+    is not a failed check)."""
 
 
 def _allclose(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> bool:
@@ -134,6 +141,7 @@ class _Check:
                               f"finite differences with eps={eps} in this precision will "
                               f"likely make the check fail.{how}", stacklevel=stacklevel)
         outs = self.call(*self.xs)
+        self.n_outs = len(outs)
         self.out_positions = [i for i, o in enumerate(outs)
                               if is_inexact(o)]
         self.outs = [outs[i] for i in self.out_positions]
@@ -165,12 +173,44 @@ class _Check:
         """Central differences of each floating output along `eps * u` (flat) for input p."""
         x = np.asarray(self.xs[p])
         step = (self.eps * u).astype(x.dtype).reshape(x.shape)
-        xs_minus, xs_plus = list(self.xs), list(self.xs)
-        xs_minus[p] = jnp.asarray(x - step)
-        xs_plus[p] = jnp.asarray(x + step)
-        lo, hi = self.floating(*xs_minus), self.floating(*xs_plus)
+        lo, hi = (self.perturbed(p, u, jnp.asarray(x + sign * step), sign) for sign in (-1, 1))
         return [((np.asarray(b) - np.asarray(a)) / (2 * self.eps)).reshape(-1)
                 for a, b in zip(lo, hi)]
+
+    def perturbed(self, p: int, u: np.ndarray, x: jax.Array, sign: int) -> tuple:
+        """The floating outputs with input p moved to `x` (by `sign * eps * u`), each checked
+        to keep its shape and dtype (numpy would broadcast a difference of two shapes)."""
+        xs = list(self.xs)
+        xs[p] = x
+        outs = self.call(*xs)
+        if len(outs) != self.n_outs:
+            raise PerturbedOutputError(
+                f"Expected func to return as many outputs when inputs are perturbed, but it "
+                f"returned {self.n_outs} at the inputs and {len(outs)} "
+                f"{self.nudge(p, u, sign)}.")
+        for j, o in zip(self.out_positions, self.outs):
+            if (outs[j].shape, outs[j].dtype) != (o.shape, o.dtype):
+                raise PerturbedOutputError(self.changed(j, o, outs[j], p, u, sign))
+        return tuple(outs[j] for j in self.out_positions)
+
+    def changed(self, j: int, before: jax.Array, after: jax.Array, p: int, u: np.ndarray,
+                sign: int) -> str:
+        what, was, now = (("shape", before.shape, after.shape) if before.shape != after.shape
+                          else ("dtype", before.dtype, after.dtype))
+        return (f"Expected func to return outputs with the same {what} when inputs are "
+                f"perturbed, but output {j} has {what} {was} at the inputs but {now} "
+                f"{self.nudge(p, u, sign)}. Finite differences need each output to keep its "
+                "shape and dtype near the inputs.")
+
+    def nudge(self, p: int, u: np.ndarray, sign: int) -> str:
+        """How input p was moved: at one element (slow mode) or along a random vector."""
+        nonzero = np.flatnonzero(u)
+        if len(nonzero) == 1:
+            index = tuple(int(i) for i in np.unravel_index(nonzero[0], self.xs[p].shape))
+            where = f"at element {index}"
+        else:
+            where = "along a random unit vector (fast_mode)"
+        return f"with input {self.positions[p]} perturbed {where} by {sign * self.eps}"
 
     def numerical(self, p: int) -> list[np.ndarray]:
         """Input p's numerical Jacobian with each floating output: (input size, output size).
@@ -591,4 +631,4 @@ def gradgradcheck(
                       fast_mode)
 
 
-__all__ = ["GradcheckError", "gradcheck", "gradgradcheck"]
+__all__ = ["GradcheckError", "PerturbedOutputError", "gradcheck", "gradgradcheck"]

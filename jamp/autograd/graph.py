@@ -7,7 +7,9 @@ JAX keeps no tape, so a hook pair wraps a function instead of a region of eager 
 `jax.vjp(f, ...)`; the residuals of the backward are the array leaves of the pullback that
 `jax.vjp` returns (a pytree); each goes through `pack` and is stored packed. Its bwd passes each
 stored value through `unpack` and rebuilds the pullback. Leaves of the pullback that are not
-arrays, if any, are static and pass untouched.
+arrays, if any, are static and pass untouched, and so are literals of the program (the 3.0
+that `a * 3` keeps: torch never hooks a Python number); to tell them apart the fwd traces
+`jax.vjp` and evaluates the trace (`_linearize`).
 
 - Only the inputs JAX differentiates with respect to are differentiated in the fwd (custom_vjp's
   symbolic zeros say which), so the residuals are those plain `jax.grad` would keep.
@@ -37,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from jamp import _jax_internals as jx
 from jamp._checks import check_bool
 from jamp.policy.cast import is_numeric_array
 from jamp.policy.dtypes import is_floating
@@ -66,7 +69,10 @@ class saved_tensors_hooks:  # noqa: N801 (torch's name)
     of `jax.vjp(f, ...)`) is stored as `pack_hook(array)`, and the backward receives
     `unpack_hook(packed)` in its place. `pack_hook` may return any pytree (arrays travel as
     residuals, other leaves as static structure); `unpack_hook` must return an array of the
-    original shape and dtype. Called without differentiation, `f` runs as it is.
+    original shape and dtype. Called without differentiation, `f` runs as it is. A Python
+    number the backward needs (`a * 3` keeps 3.0) is a constant, not passed to the hooks, as
+    torch never hooks one; to find those, `f` is traced when differentiated, also eagerly (a
+    function that needs concrete values runs eagerly instead, its numbers then hooked too).
 
     The hooks run when JAX traces the fwd and bwd: on every call when called eagerly, once per
     compilation under `jax.jit`. Use `jax.debug.print` in a hook to see each step's values.
@@ -303,17 +309,75 @@ jax.tree_util.register_pytree_node(
 _STATIC, _KEPT, _PACKED = "static", "kept", "packed"
 
 
-def _pack(pullback, hooks: saved_tensors_hooks, stored_inside: dict,
+def _linearize(fn: Callable, xs: list) -> tuple[Any, Any, list[str]]:
+    """`jax.vjp(fn, *xs)`: the output, the pullback, and for each leaf of the pullback how
+    `_pack` stores it (`_kind`; a constant written in the program is static).
+
+    torch never hooks a Python number (`a * 3` keeps 3 in its node), but JAX's eager arrays do
+    not tell the 3.0 that `a * 3` keeps from an array. A trace does: there the residual is a
+    literal (JAX's own `jax.ad_checkpoint.print_saved_residuals` calls it "from a literal").
+    So `jax.vjp` is traced at the inputs' types and the trace evaluated on the inputs. A
+    function that runs only on concrete values (Python control flow on them) cannot be traced
+    so: it runs eagerly, and its literals are packed like any residual."""
+    stored_inside: dict = {}
+    traced: dict = {}
+
+    def residuals(*xs):
+        with _collecting(stored_inside):
+            out, pullback = jax.vjp(fn, *xs)
+        leaves, structure = jax.tree_util.tree_flatten(pullback)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        kinds = [_kind(leaf, stored_inside) for leaf in leaves]
+        traced.update(structure=structure, out_tree=out_tree, kinds=kinds,
+                      static=[leaf if k == _STATIC else None for leaf, k in zip(leaves, kinds)])
+        return out_leaves + [leaf for leaf, k in zip(leaves, kinds) if k != _STATIC]
+
+    try:
+        closed = jx.trace_closed(residuals, [jax.typeof(x) for x in xs])
+    except jax.errors.ConcretizationTypeError:
+        if any(jx.is_tracer(x) for x in xs):
+            raise  # traced from the outside too: no concrete values to run on
+        eager_inside: dict = {}
+        with _collecting(eager_inside):
+            out, pullback = jax.vjp(fn, *xs)
+        return out, pullback, [_kind(leaf, eager_inside)
+                               for leaf in jax.tree_util.tree_leaves(pullback)]
+    values = jx.eval_closed(closed, xs)
+    n_out = traced["out_tree"].num_leaves
+    out = jax.tree_util.tree_unflatten(traced["out_tree"], values[:n_out])
+    residual = zip(closed.jaxpr.outvars[n_out:], values[n_out:], strict=True)
+    leaves, kinds = [], []
+    for kind, static in zip(traced["kinds"], traced["static"]):
+        if kind == _STATIC:
+            leaves.append(static)
+        else:
+            var, value = next(residual)
+            if isinstance(var, jx.Literal):  # a scalar of the program: static, as in torch
+                kind, value = _STATIC, np.asarray(value)[()]
+            leaves.append(value)
+        kinds.append(kind)
+    return out, jax.tree_util.tree_unflatten(traced["structure"], leaves), kinds
+
+
+def _kind(leaf, stored_inside: dict) -> str:
+    """How `_pack` stores a leaf of a pullback: static (not an array), kept (a hooked function
+    called inside stored it already, `stored_inside` by id) or packed."""
+    if not is_numeric_array(leaf):
+        return _STATIC
+    return _KEPT if stored_inside.get(id(leaf)) is leaf else _PACKED
+
+
+def _pack(pullback, hooks: saved_tensors_hooks, kinds: list[str],
           wanted: tuple[int, ...]) -> _Saved:
-    """Passes the pullback's array leaves through `pack_hook`, except those that hooked
-    functions called inside have stored already (`stored_inside`, by id). `wanted`: the
-    positions of the inputs the pullback differentiates."""
+    """Passes the pullback's leaves through `pack_hook`, except those that `kinds`
+    (`_linearize`) marks static or kept. `wanted`: the positions of the inputs the pullback
+    differentiates."""
     leaves, structure = jax.tree_util.tree_flatten(pullback)
     arrays, layout, produced = [], [], []
-    for leaf in leaves:
-        if not is_numeric_array(leaf):
+    for leaf, kind in zip(leaves, kinds, strict=True):
+        if kind == _STATIC:
             layout.append((_STATIC, leaf))
-        elif stored_inside.get(id(leaf)) is leaf:
+        elif kind == _KEPT:
             arrays.append(leaf)
             layout.append((_KEPT, None))
         else:
@@ -402,10 +466,8 @@ def _with_hooks(fn: Callable, hooks: saved_tensors_hooks) -> Callable:
                     full[i] = x
                 return call(*full)
 
-            stored_inside: dict = {}
-            with _collecting(stored_inside):
-                out, pullback = jax.vjp(of_wanted, *(values[i] for i in wanted))
-            saved = _pack(pullback, hooks, stored_inside, wanted)
+            out, pullback, kinds = _linearize(of_wanted, [values[i] for i in wanted])
+            saved = _pack(pullback, hooks, kinds, wanted)
             enclosing = _ENCLOSING.get()
             if enclosing:  # the enclosing hooked fwd must leave these alone (innermost wins)
                 enclosing[-1].update((id(x), x) for x in saved.arrays)

@@ -68,7 +68,8 @@ class Fp8Error:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["path"] = list(self.path)
-        out["snr_db"] = self.snr_db if math.isfinite(self.snr_db) else None
+        # Strict JSON, as the rest of the report: a non-finite ratio as "inf" or "-inf".
+        out["snr_db"] = self.snr_db if math.isfinite(self.snr_db) else str(self.snr_db)
         return out
 
 

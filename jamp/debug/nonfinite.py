@@ -1,31 +1,35 @@
 """`first_nonfinite`: the first equation of the real low-precision run whose result is inf or
-NaN."""
+NaN (`locate`, which also finds where the report's float32 shadow went non-finite)."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 
 from jamp.debug import program as programs
 from jamp.debug import shadow
-from jamp.debug.report import TOP_LEVEL, source
-from jamp.policy.dtypes import is_floating
+from jamp.policy.dtypes import FLOAT32, is_floating, is_half_dtype
 from jamp.walker import nonfinite
 
 
 class _Codes(shadow.Probe):
-    """The code (`jamp.walker.nonfinite`: NaN, inf) of an equation's floating results, per
-    scan iteration."""
+    """The code (`jamp.walker.nonfinite`: NaN, inf) of an equation's floating results in the
+    low run (or, `of_shadow`, in the float32 shadow), per scan iteration."""
 
     per_iteration = True
+
+    def __init__(self, of_shadow: bool = False):
+        self.of_shadow = of_shadow
 
     def wants(self, aval) -> bool:
         return is_floating(aval)
 
     def measure(self, sites, low, shadow_values):
-        return (nonfinite.code(low.reshape(low.shape[0], -1), axis=1),)
+        values = shadow_values if self.of_shadow else low
+        return (nonfinite.code(values.reshape(values.shape[0], -1), axis=1),)
 
     def combine(self, a, b):
         return (a[0] | b[0],)
@@ -64,6 +68,10 @@ class NonFinite:
     value: str
     iterations: tuple[int, ...] = ()
 
+    @property
+    def pass_name(self) -> str:
+        return "backward" if self.backward else "forward"
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["iterations"] = list(self.iterations)
@@ -73,13 +81,13 @@ class NonFinite:
         where = f" (scan iteration {', '.join(map(str, self.iterations))})" \
             if self.iterations else ""
         return (f"first non-finite value ({self.value}, {self.dtype}): {self.primitive} in "
-                f"{self.module}, {'backward' if self.backward else 'forward'}{where}, at "
+                f"{self.module}, {self.pass_name}{where}, at "
                 f"{self.location}: {self.code}")
 
 
 def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
                     device_type: str | None = None, rules: Any = None,
-                    loss_scale: float | None = None, argnums: Any = 0,
+                    loss_scale: float | None = None, argnums: Any = 0, backward: bool = True,
                     **kwargs: Any) -> NonFinite | None:
     """The first equation whose result holds an inf or a NaN when `fn` runs in half precision.
 
@@ -87,9 +95,12 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
     `rules`, and for a scalar loss its backward pass at `loss_scale`), once, under `jax.jit`,
     without a shadow: the values are the real low-precision run's. Every equation's floating
     results (inside jit, scan, while, cond and remat bodies too) are checked; the first in
-    program order (within scans, by iteration) that holds an inf or a NaN is named.
+    program order (within loops, by iteration: an equation that only passed on a value made
+    non-finite in an earlier iteration is not named) that holds an inf or a NaN is named.
 
-    Args: as `precision_report`'s.
+    Args: as `precision_report`'s. Where `fn`'s backward pass cannot be built (a
+      `lax.while_loop` in its forward pass), the forward pass alone is checked, with a warning
+      saying so.
 
     Returns:
       A `NonFinite` naming the equation, or None when every value is finite.
@@ -109,9 +120,17 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
     """
     made = programs.build(fn, args, kwargs, caller="first_nonfinite", dtype=dtype,
                           device_type=device_type, rules=rules, loss_scale=loss_scale,
-                          argnums=argnums)
-    evaluator = shadow.Evaluator(_Codes(), shadow=False)
-    codes = evaluator.run_program(made.closed, made.args)[2]
+                          argnums=argnums, backward=backward)
+    if made.note:
+        warnings.warn(f"first_nonfinite: {made.note}", UserWarning, stacklevel=2)
+    return locate(made)
+
+
+def locate(made: programs.Program, of_shadow: bool = False) -> NonFinite | None:
+    """The first equation of `made` whose result holds an inf or a NaN in its low run (or,
+    `of_shadow`, in its float32 shadow), run once; None when there is none."""
+    evaluator = shadow.Evaluator(_Codes(of_shadow), shadow=of_shadow)
+    codes = evaluator.run_program(made.closed, made.args).probes
     found = []
     for key, (site_codes,) in codes.items():
         site = evaluator.sites[key]
@@ -124,9 +143,12 @@ def first_nonfinite(fn: Callable, *args: Any, dtype: Any = None,
     if not found:
         return None
     _, site, first, kind = min(found, key=lambda f: f[0])
-    location, code = source(site.eqn)
-    return NonFinite(site.eqn.primitive.name, location, code, "/".join(site.path) or TOP_LEVEL,
-                     site.backward, site.dtype.name, nonfinite.describe(kind), first)
+    location, code = programs.source(site.eqn)
+    # The shadow holds float32 where the program holds a half dtype.
+    dtype = FLOAT32 if of_shadow and is_half_dtype(site.dtype) else site.dtype
+    return NonFinite(site.eqn.primitive.name, location, code,
+                     "/".join(site.path) or programs.TOP_LEVEL, site.backward, dtype.name,
+                     nonfinite.describe(kind), first)
 
 
 def _order(key: tuple, scans: tuple, iterations: tuple) -> tuple:
@@ -138,4 +160,4 @@ def _order(key: tuple, scans: tuple, iterations: tuple) -> tuple:
     return (*merged, *key[start:])
 
 
-__all__ = ["first_nonfinite", "NonFinite"]
+__all__ = ["first_nonfinite", "locate", "NonFinite"]

@@ -1,10 +1,13 @@
 """The program the debugger looks at: `fn` under autocast and, for a scalar loss, its backward
-pass at a loss scale, traced to one closed jaxpr; and the checks of the debugger's arguments."""
+pass at a loss scale, traced to one closed jaxpr; the checks of the debugger's arguments; and
+where in the user's code each of its equations was written."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import linecache
+import os
 from typing import Any, Callable
 
 import jax
@@ -17,6 +20,9 @@ from jamp.policy.autocast_tables import (
 from jamp.policy.dtypes import FLOAT32, is_floating, is_inexact
 from jamp.transforms import autocast
 from jamp.transforms import rules as precision_rules
+from jamp.walker.walk import equations
+
+TOP_LEVEL = "(top level)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +36,8 @@ class Program:
       dtype: the autocast dtype.
       backward: whether it has a backward pass.
       loss_scale: the scale its backward pass ran at.
+      scalar: `fn` returns a floating scalar (a loss).
+      note: why a scalar `fn` has no backward pass though one was asked for, or None.
     """
 
     closed: jx.ClosedJaxpr
@@ -37,6 +45,8 @@ class Program:
     dtype: np.dtype
     backward: bool
     loss_scale: float
+    scalar: bool = False
+    note: str | None = None
 
 
 def checked_function(fn: Any, caller: str) -> Callable:
@@ -82,7 +92,8 @@ def checked_argnums(argnums: Any, args: tuple, caller: str) -> tuple[int, ...]:
                 f"{'' if n == 1 else 's'} given" if n else "none: no positional argument given")
     if not items:
         raise ValueError(f"{caller}'s argnums={argnums!r} names no argument: expected an int "
-                         f"or a nonempty tuple of ints, positions {accepted}.")
+                         f"or a nonempty tuple of ints, positions {accepted}; to leave the "
+                         "backward pass out, pass backward=False.")
     if not all(-n <= int(i) < n for i in items):
         raise ValueError(f"{caller}'s argnums={argnums!r} is out of range: expected positions "
                          f"{accepted}.")
@@ -138,32 +149,62 @@ def build(fn: Callable, args: tuple, kwargs: dict, *, caller: str, dtype: Any,
           device_type: Any, rules: Any, loss_scale: Any, argnums: Any,
           backward: bool = True) -> Program:
     """Traces `fn` under autocast, with its backward pass when it returns a floating scalar
-    (and `backward`)."""
+    and `backward` is True; forward only, with a note, when that backward pass cannot exist
+    (a `lax.while_loop` in the forward pass, which JAX does not differentiate in reverse mode).
+    """
     checked_function(fn, caller)
+    if not isinstance(backward, (bool, np.bool_)):
+        raise TypeError(f"{caller}'s backward must be True (the backward pass too, for a "
+                        f"scalar loss) or False (the forward pass only); got "
+                        f"backward={backward!r}.")
     low, device = settings(caller, dtype, device_type)
     precision_rules.checked_rules(rules)
     scale = checked_loss_scale(loss_scale, caller)
-    positions = checked_argnums(argnums, args, caller)
+    positions = checked_argnums(argnums, args, caller) if backward else ()
     bound = functools.partial(fn, **kwargs) if kwargs else fn
     low_fn = autocast(bound, dtype=low, device_type=device, rules=rules)
     out = jax.eval_shape(low_fn, *args)
-    backward = (backward and isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
-                and is_floating(out))
-    if backward:
-        _check_differentiable(argnums, positions, args, caller)
-        used = 1.0 if scale is None else scale
+    scalar = isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and is_floating(out)
+    leaves = jax.tree_util.tree_leaves(args)
+    if not (backward and scalar):
+        return Program(jax.make_jaxpr(low_fn)(*args), leaves, low, False, 1.0, scalar)
+    _check_differentiable(argnums, positions, args, caller)
+    used = 1.0 if scale is None else scale
 
-        def program(*a):
-            loss, grads = jax.value_and_grad(lambda *b: low_fn(*b) * used, argnums)(*a)
-            return loss / used, grads
+    def program(*a):
+        loss, grads = jax.value_and_grad(lambda *b: low_fn(*b) * used, argnums)(*a)
+        return loss / used, grads
 
-        traced = jax.make_jaxpr(program)(*args)
-    else:
-        used = 1.0
-        traced = jax.make_jaxpr(low_fn)(*args)
-    return Program(traced, jax.tree_util.tree_leaves(args), low, backward, used)
+    try:
+        return Program(jax.make_jaxpr(program)(*args), leaves, low, True, used, scalar)
+    except ValueError as error:
+        forward = jax.make_jaxpr(low_fn)(*args)
+        if not any(e.primitive.name == "while" for e in equations(forward)):
+            raise
+        reason = str(error).splitlines()[0]
+        note = (f"gradients are not analysed: the forward pass holds a lax.while_loop, which "
+                f"JAX cannot differentiate in reverse mode ({reason}); only the forward pass "
+                "ran (backward=False asks for that outright; a lax.scan or a fori_loop with "
+                "static bounds is differentiable)")
+        return Program(forward, leaves, low, False, 1.0, scalar, note)
+
+
+_LIBRARIES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep, jx.JAMP_DIR)
+
+
+def source(eqn) -> tuple[str, str]:
+    """(`file:line`, the line's code) of the user's line that made `eqn`: the innermost frame
+    outside installed libraries and jamp, else the innermost."""
+    frames = jx.user_frames(eqn)
+    if not frames:
+        return "(unknown)", ""
+    chosen = next((f for f in reversed(frames) if not any(lib in f[0] for lib in _LIBRARIES)),
+                  frames[-1])
+    file, line, _ = chosen
+    return f"{file}:{line}", linecache.getline(file, line).strip()
 
 
 __all__ = [
-    "build", "checked_argnums", "checked_function", "checked_loss_scale", "Program", "settings"
+    "build", "checked_argnums", "checked_function", "checked_loss_scale", "Program", "settings",
+    "source", "TOP_LEVEL"
 ]

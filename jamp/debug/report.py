@@ -9,30 +9,30 @@ normal (subnormal: precision lost) and below half the smallest subnormal (flushe
 largest difference between the low run's value and the shadow's (the error rounding made so
 far), and, for the backward pass, how many values would flush to zero at each loss scale
 2**k for k in `SCALE_EXPONENTS`, from which the loss scales that keep gradients
-representable are read.
+representable are read. A shadow that is not finite itself (the program is broken in float32
+too) is said first, with the equation where it went non-finite, and nothing is proposed from
+it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import math
-import os
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp import _jax_internals as jx
 from jamp.debug import fp8_error
 from jamp.debug import program as programs
 from jamp.debug import shadow
+from jamp.debug.nonfinite import NonFinite, locate
+from jamp.debug.program import TOP_LEVEL, source
 from jamp.fp8.recipes import Recipe, check_recipe
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.rules import module_pattern
 
-TOP_LEVEL = "(top level)"
 # A backward equation keeps gradients representable at a scale when at most this share of its
 # nonzero values flush to zero there.
 UNDERFLOW_TOLERANCE = 1e-3
@@ -45,6 +45,12 @@ SCALE_EXPONENTS = range(-32, 65)
 UNDERFLOW_EXPONENTS = range(0, 32)
 # How often the proposed rules are checked by running the program again with them.
 RULE_ROUNDS = 3
+# The suggested loss scale stays this factor below the largest one at which no gradient
+# overflows (room for larger gradients in later steps), and, unless a smaller gradient needs
+# more, at most `LOSS_SCALE_CEILING` (Apex's ceiling for its dynamic scale): see
+# `PrecisionReport.suggested_loss_scale`.
+LOSS_SCALE_HEADROOM = 2.0 ** 8
+LOSS_SCALE_CEILING = 2.0 ** 24
 
 
 class _Measure(shadow.Probe):
@@ -170,15 +176,20 @@ class Finding:
         return "backward" if self.backward else "forward"
 
     def to_dict(self) -> dict[str, Any]:
+        """The finding as strict JSON-ready Python (see `PrecisionReport.to_dict`)."""
         out = dataclasses.asdict(self)
         out["path"] = list(self.path)
         out["pass"] = self.pass_name
-        return out
+        return _strict_json(out)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
     """What `precision_report` found. Printing it prints `table()`.
+
+    A program whose float32 shadow is not finite (broken in float32 too, not only in the half
+    dtype) gets `shadow_nonfinite`, said first when printed, and no rules, loss scales or
+    gradient underflow read from it (empty or None, the reason in `notes`).
 
     Attributes:
       dtype: the half dtype checked.
@@ -201,8 +212,15 @@ class PrecisionReport:
         2**31 (None when none of those does).
       max_loss_scale: the largest power of two at which no backward value overflows.
       suggested_loss_scale: the initial loss scale to use (`DynamicLossScale(loss_scale=...)`,
-        `GradScaler(init_scale=...)`): `min_loss_scale` when it does not overflow, else
-        `max_loss_scale`.
+        `GradScaler(init_scale=...)`): `max_loss_scale / LOSS_SCALE_HEADROOM` (2**8 below
+        the edge), at most `LOSS_SCALE_CEILING` (2**24), raised to `min_loss_scale` when that
+        is larger, and never above `max_loss_scale`. `min_loss_scale` alone sits at the edge
+        of underflow: gradients just above it are subnormal in float16, with few bits left,
+        and the real run's rounding loses some that the shadow keeps.
+      shadow_nonfinite: where the float32 shadow first held an inf or a NaN (see
+        `first_nonfinite`), or None when its outputs are finite.
+      notes: what was not analysed, and why (no backward pass though `fn` returns a loss;
+        nothing proposed from a shadow that is not finite).
       fp8: with `precision_report(..., fp8=recipe)`, each module's fp8 error (an
         `Fp8Error`: signal to noise of its products in fp8 against float32), worst first.
       fp8_rules: rules that keep the modules fp8 hurts most in bfloat16 and put the others
@@ -222,6 +240,8 @@ class PrecisionReport:
     min_loss_scale: float | None
     max_loss_scale: float | None
     suggested_loss_scale: float | None
+    shadow_nonfinite: NonFinite | None = None
+    notes: tuple[str, ...] = ()
     fp8: tuple[fp8_error.Fp8Error, ...] = ()
     fp8_rules: list = dataclasses.field(default_factory=list)
 
@@ -231,7 +251,13 @@ class PrecisionReport:
 
     def summary(self) -> str:
         """One line: which modules overflow in the forward pass (and the rules that move them),
-        whether gradients overflow, and the suggested initial loss scale."""
+        whether gradients overflow, and the suggested initial loss scale; or, first, that the
+        float32 shadow is not finite."""
+        if self.shadow_nonfinite is not None:
+            found = self.shadow_nonfinite
+            return (f"the float32 shadow is not finite ({found.value} first at "
+                    f"{found.primitive} in {found.module}, {found.pass_name}): no rules and "
+                    "no loss scale proposed from it")
         modules = sorted({f.module for f in self.overflows if not f.backward and f.path})
         if modules:
             parts = [f"{', '.join(modules)} overflow{'s' if len(modules) == 1 else ''} "
@@ -251,8 +277,11 @@ class PrecisionReport:
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as plain Python: `json.dumps` takes it as it is."""
-        return dict(
+        """The report as plain Python that is strict JSON: `json.dumps(report.to_dict(),
+        allow_nan=False)` takes it as it is. Non-finite numbers (`low_loss` once the half run
+        overflowed, `loss` when float32 is broken too) become the strings "nan", "inf" and
+        "-inf"; what is absent is None (null)."""
+        return _strict_json(dict(
             dtype=self.dtype, loss_scale=self.loss_scale, loss=self.loss,
             low_loss=self.low_loss, findings=[f.to_dict() for f in self.findings],
             problems=[f.to_dict() for f in self.problems],
@@ -263,7 +292,10 @@ class PrecisionReport:
             rules_checked=self.rules_checked, unplaced=[f.to_dict() for f in self.unplaced],
             gradient_underflow=self.gradient_underflow, min_loss_scale=self.min_loss_scale,
             max_loss_scale=self.max_loss_scale,
-            suggested_loss_scale=self.suggested_loss_scale, summary=self.summary())
+            suggested_loss_scale=self.suggested_loss_scale,
+            shadow_nonfinite=None if self.shadow_nonfinite is None else
+            self.shadow_nonfinite.to_dict(),
+            notes=list(self.notes), summary=self.summary()))
 
     def table(self, row_limit: int | None = 20) -> str:
         """The report as text: a summary, the problems, then the largest rounding errors.
@@ -277,8 +309,10 @@ class PrecisionReport:
         limit = None if row_limit is None or row_limit < 0 else row_limit
         scale = "forward only" if self.loss_scale is None else \
             f"forward and backward at loss scale {_number(self.loss_scale)}"
-        lines = [f"precision report: {self.dtype}, {scale}, {len(self.findings)} equations "
-                 f"measured", self.summary()]
+        lines = [] if self.shadow_nonfinite is None else \
+            [f"the float32 shadow is not finite: {self.shadow_nonfinite}"]
+        lines += [f"precision report: {self.dtype}, {scale}, {len(self.findings)} equations "
+                  f"measured", self.summary(), *self.notes]
         if self.gradient_underflow is not None:
             lines.append(
                 f"gradients: {self.gradient_underflow:.2%} of nonzero values flush to zero at "
@@ -342,17 +376,31 @@ def _rules_text(rules) -> str:
     return "[" + ", ".join(f"({p!r}, jnp.{np.dtype(s).name})" for p, s in rules) + "]"
 
 
+def _strict_json(value: Any) -> Any:
+    """`value` (dicts, lists, numbers, strings) with each non-finite float as "nan", "inf" or
+    "-inf": strict JSON has no such numbers."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
 # -- the report ---------------------------------------------------------------------------------
 
 def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: str | None = None,
                      rules: Any = None, loss_scale: float | None = None, argnums: Any = 0,
-                     fp8: Any = None, **kwargs: Any) -> PrecisionReport:
+                     backward: bool = True, fp8: Any = None, **kwargs: Any) -> PrecisionReport:
     """Runs `fn` once in half precision beside a float32 shadow and reports where it breaks.
 
     `fn` runs under `jamp.autocast(fn, dtype=dtype, device_type=device_type, rules=rules)`;
     when it returns a floating scalar (a loss), its gradient with respect to the `argnums`
     arguments is taken too, of the loss times `loss_scale`, as a loss-scaled training step
-    does. The whole program, backward pass included, runs once under `jax.jit`, each
+    does (unless `backward` is False; where the backward pass cannot be built, a
+    `lax.while_loop` in the forward pass, the forward pass alone runs, with a note in
+    `notes`). The whole program, backward pass included, runs once under `jax.jit`, each
     equation (inside jit, scan, while, cond and remat bodies too, as maxima over iterations)
     evaluated on the program's own values and, alongside, on float32 ones (see `Finding` for
     what is measured).
@@ -365,6 +413,7 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
       rules: autocast precision rules to apply (e.g. a previous report's `rules`).
       loss_scale: the scale of the backward pass (default 1).
       argnums: which positional arguments the gradient is taken with respect to.
+      backward: False: the forward pass only, also for a scalar loss (`argnums` unused).
       fp8: a `jamp.fp8.recipe(...)`: also measure each module's fp8 error in float32 (its
         own matmuls' products in fp8 against exact ones) and propose `fp8_rules` that keep
         the modules fp8 hurts most in bfloat16 (see `jamp.debug.fp8_error`).
@@ -377,9 +426,11 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
     Raises:
       TypeError: `fn` is not callable or is already transformed by `jamp.autocast`,
         `loss_scale` is not a number, `argnums` is not an int or a tuple of ints, or it
-        selects an argument that is not floating (an integer, a PRNG key).
+        selects an argument that is not floating (an integer, a PRNG key), `backward` is not
+        a bool.
       ValueError: an unknown `dtype` or `device_type` (naming the accepted ones), a
-        `loss_scale` that is not positive and finite, an `argnums` out of range.
+        `loss_scale` that is not positive and finite, an `argnums` out of range or empty
+        (`backward=False` leaves the backward pass out).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -399,7 +450,9 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
     caller = "precision_report"
     recipe = None if fp8 is None else check_recipe(fp8, "fp8")
     run = _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums)
-    first = run(rules)
+    first = run(rules, backward)
+    if first.shadow_nonfinite is not None:
+        return dataclasses.replace(first, rules_checked=False)
     proposed: list[tuple[str, Any]] = []
     checked = not _forward_overflows(first.findings)
     unplaced = tuple(f for f in _forward_overflows(first.findings) if not f.path)
@@ -442,26 +495,37 @@ def _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums):
                               device_type=device_type, rules=rules, loss_scale=loss_scale,
                               argnums=argnums, backward=backward)
         evaluator = shadow.Evaluator(_Measure(made.loss_scale if made.backward else None))
-        low, sh, probes = evaluator.run_program(made.closed, made.args)
-        return _read(made, evaluator.sites, probes, low, sh)
+        ran = evaluator.run_program(made.closed, made.args)
+        # Only a broken program pays for a second run, to say where its shadow broke.
+        broken = locate(made, of_shadow=True) if ran.shadow_code else None
+        return _read(made, evaluator.sites, ran, broken)
     return run
 
 
-def _read(made: programs.Program, sites: dict, probes: dict, low_out, shadow_out
-          ) -> PrecisionReport:
+def _read(made: programs.Program, sites: dict, ran: shadow.Run,
+          broken: NonFinite | None) -> PrecisionReport:
+    probes = ran.probes
     findings = [_finding(sites[key], probes[key]) for key in sorted(probes)]
-    scalar = made.backward
     overflows = [f for f in findings if f.kind == "overflow"]
     underflows = sorted((f for f in findings if f.kind == "underflow"),
                         key=lambda f: -f.underflow)
     grads = [(sites[k], probes[k]) for k in sorted(probes) if sites[k].backward]
-    scales = _loss_scales(grads, made.loss_scale) if scalar else (None, None, None, None)
+    notes = [made.note] if made.note else []
+    scales = (None, None, None, None)
+    if broken is not None:
+        notes.append("no rules, loss scales or gradient underflow are read from a float32 "
+                     "shadow that is not finite: the program is broken in float32 too; fix "
+                     "it there first (see shadow_nonfinite)")
+    elif made.backward:
+        scales = _loss_scales(grads, made.loss_scale)
     return PrecisionReport(
-        dtype=made.dtype.name, loss_scale=made.loss_scale if scalar else None,
-        loss=float(shadow_out) if scalar else None, low_loss=float(low_out) if scalar else None,
+        dtype=made.dtype.name, loss_scale=made.loss_scale if made.backward else None,
+        loss=float(ran.shadow) if made.scalar else None,
+        low_loss=float(ran.low) if made.scalar else None,
         findings=tuple(findings), problems=tuple(overflows + underflows), rules=[],
         rules_checked=True, unplaced=(), gradient_underflow=scales[0],
-        min_loss_scale=scales[1], max_loss_scale=scales[2], suggested_loss_scale=scales[3])
+        min_loss_scale=scales[1], max_loss_scale=scales[2], suggested_loss_scale=scales[3],
+        shadow_nonfinite=broken, notes=tuple(notes))
 
 
 def _finding(site: shadow.Site, probe) -> Finding:
@@ -498,26 +562,22 @@ def _loss_scales(grads, scale: float):
     counts = [(_flush_counts(p[6]), int(p[1])) for _, p in grads]
     low = next((2.0 ** k for i, k in enumerate(UNDERFLOW_EXPONENTS)
                 if all(c[i] <= UNDERFLOW_TOLERANCE * nonzero for c, nonzero in counts)), None)
-    suggested = low if low is not None and (high is None or low <= high) else high
-    return share, low, high, suggested
+    return share, low, high, _suggested(low, high)
 
 
-_LIBRARIES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep, jx.JAMP_DIR)
-
-
-def source(eqn) -> tuple[str, str]:
-    """(`file:line`, the line's code) of the user's line that made `eqn`: the innermost frame
-    outside installed libraries and jamp, else the innermost."""
-    frames = jx.user_frames(eqn)
-    if not frames:
-        return "(unknown)", ""
-    chosen = next((f for f in reversed(frames) if not any(lib in f[0] for lib in _LIBRARIES)),
-                  frames[-1])
-    file, line, _ = chosen
-    return f"{file}:{line}", linecache.getline(file, line).strip()
+def _suggested(low: float | None, high: float | None) -> float | None:
+    """The suggested loss scale from the smallest that keeps gradients from flushing and the
+    largest that keeps them from overflowing (see `PrecisionReport.suggested_loss_scale`)."""
+    if high is None:
+        return low
+    suggested = min(high / LOSS_SCALE_HEADROOM, LOSS_SCALE_CEILING)
+    if low is not None:
+        suggested = max(suggested, low)
+    return min(suggested, high)
 
 
 __all__ = [
-    "Finding", "precision_report", "PrecisionReport", "RULE_ROUNDS", "SCALE_EXPONENTS", "source",
-    "TOP_LEVEL", "UNDERFLOW_EXPONENTS", "UNDERFLOW_LISTED", "UNDERFLOW_TOLERANCE"
+    "Finding", "LOSS_SCALE_CEILING", "LOSS_SCALE_HEADROOM", "precision_report", "PrecisionReport",
+    "RULE_ROUNDS", "SCALE_EXPONENTS", "UNDERFLOW_EXPONENTS", "UNDERFLOW_LISTED",
+    "UNDERFLOW_TOLERANCE"
 ]

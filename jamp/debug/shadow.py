@@ -35,7 +35,8 @@ run's dtypes, and is not looked inside.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +45,12 @@ from jax import lax
 
 from jamp import _jax_internals as jx
 from jamp.policy import primitives
-from jamp.policy.dtypes import FLOAT32, is_half, is_half_dtype
+from jamp.policy.dtypes import FLOAT32, is_half, is_half_dtype, is_inexact
 from jamp.transforms.rules import equation_path
-from jamp.walker import control_flow
+from jamp.walker import control_flow, nonfinite
 from jamp.walker.evaluate import Body, Env, Interpreter, literal_value
 
-__all__ = ["Evaluator", "Probe", "Site", "run_once"]
+__all__ = ["Evaluator", "Probe", "Run", "Site", "run_once"]
 
 # Moves carry values already probed where they were made (a convert is a rounding: probed).
 _UNPROBED = primitives.MOVES - {"convert_element_type"}
@@ -76,6 +77,23 @@ class Site:
     backward: bool
     dtype: np.dtype
     scans: tuple[int, ...]
+
+
+class Run(NamedTuple):
+    """What `Evaluator.run_program` fetches from a run.
+
+    Attributes:
+      low: the program's first output in the low run (None without outputs).
+      shadow: the same in the shadow.
+      probes: each site's probes, by site key (`Evaluator.by_site`).
+      shadow_code: the `jamp.walker.nonfinite` code of the shadow's outputs, all of them:
+        nonzero when one holds an inf or a NaN.
+    """
+
+    low: Any
+    shadow: Any
+    probes: dict
+    shadow_code: int
 
 
 class Probe:
@@ -141,16 +159,19 @@ class Evaluator(Interpreter[_Level]):
                                 [(c, self._widen(c)) for c in closed.consts])
         return [low for low, _ in outs], [shadow for _, shadow in outs], probes
 
-    def run_program(self, closed: jx.ClosedJaxpr, args: Sequence[Any]) -> tuple[Any, Any, dict]:
-        """Runs `closed` on `args` once, compiled (`run_once`), and fetches (its first output in
-        the low run, the same in the shadow, each site's probes by key) to the host."""
+    def run_program(self, closed: jx.ClosedJaxpr, args: Sequence[Any]) -> Run:
+        """Runs `closed` on `args` once, compiled (`run_once`), and fetches what `Run` holds to
+        the host."""
         def instrumented(consts, flat):
             low, shadow, probes = self.instrumented(jx.ClosedJaxpr(closed.jaxpr, consts), flat)
-            return low[:1], shadow[:1], probes
+            codes = [nonfinite.code(o) for o in shadow if is_inexact(o)]
+            code = functools.reduce(jnp.bitwise_or, codes, jnp.zeros((), nonfinite.CODE_DTYPE))
+            return low[:1], shadow[:1], probes, code
 
-        low, shadow, probes = jax.device_get(run_once(instrumented, list(closed.consts), args))
+        low, shadow, probes, code = jax.device_get(
+            run_once(instrumented, list(closed.consts), args))
         first = lambda values: values[0] if values else None
-        return first(low), first(shadow), self.by_site(probes)
+        return Run(first(low), first(shadow), self.by_site(probes), int(code))
 
     # -- the walk ----------------------------------------------------------------------------
 

@@ -496,3 +496,47 @@ def test_the_block_names_a_jitted_helper_and_a_scan_by_their_call_lines():
     # A scan runs as one operation: the note stops at the line that called it.
     error = floating_point_error(lambda: jax.jit(jax.grad(scanned))(ZERO_ONE))
     assert_forward_line(notes(error), "SCAN-CALL", "scanned")
+
+
+# What anomaly mode catches, as torch users write it: eagerly and jitted, forward and backward.
+ANOMALIES = {
+    "forward": lambda: unmarked_log(NEGATIVE),
+    "jit": lambda: jax.jit(unmarked_log)(NEGATIVE),
+    "grad": lambda: jax.grad(masked)(ZERO_ONE),
+    "jit(grad)": lambda: jax.jit(jax.grad(masked))(ZERO_ONE),
+}
+
+
+@pytest.mark.parametrize("call", ANOMALIES.values(), ids=ANOMALIES)
+def test_inside_the_block_the_error_is_caught_as_a_runtime_error(call):
+    # torch users catch the anomaly inside the block; the error JAX's check raises there is
+    # already the anomaly error, not only once it leaves the block.
+    with detect_anomaly():
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert type(info.value) is FloatingPointAnomalyError
+        assert "nan" in str(info.value)
+
+
+@pytest.mark.parametrize("call", [ANOMALIES["forward"], ANOMALIES["jit(grad)"]],
+                         ids=["forward", "jit(grad)"])
+def test_after_the_statement_the_error_is_a_runtime_error(call):
+    try:
+        set_detect_anomaly(True)
+        with pytest.raises(RuntimeError) as info:
+            call()
+    finally:
+        set_detect_anomaly(False)
+    assert type(info.value) is FloatingPointAnomalyError
+
+
+def test_jax_checks_outside_anomaly_mode_raise_jax_error():
+    # jax_debug_nans turned on by the user, not by anomaly mode, raises JAX's own error type
+    # (also after anomaly mode was on and off, in either form).
+    with detect_anomaly():
+        pass
+    set_detect_anomaly(True)
+    set_detect_anomaly(False)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError) as info:
+        jax.jit(unmarked_log)(NEGATIVE)
+    assert type(info.value) is FloatingPointError

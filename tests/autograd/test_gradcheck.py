@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jamp.autograd import GradcheckError, gradcheck, gradgradcheck
+from jamp.autograd.finite_difference import PerturbedOutputError
 
 pytestmark = pytest.mark.usefixtures("x64")
 
@@ -247,3 +248,41 @@ def test_function_backward_right_and_wrong(fast_mode):
 
 def test_function_backward_is_differentiable_again():
     assert gradgradcheck(mul_sin_function().apply, inputs())
+
+
+def keeps_shape_until_nudged(x):
+    """x twice, (2,), at X[:1]; x itself, (1,), once x[0] moves above X[0] (Python control
+    flow). The differences of a (2,) and a (1,) output broadcast to the right Jacobian."""
+    return x if x[0] > X[0] else jnp.concatenate([x, x])
+
+
+def keeps_dtype_until_nudged(x):
+    return x.astype(jnp.float32) if x[0] > X[0] else x
+
+
+CHANGING = {"shape": (keeps_shape_until_nudged, r"shape \(2,\) at the inputs but \(1,\)"),
+            "dtype": (keeps_dtype_until_nudged, "dtype float64 at the inputs but float32")}
+
+
+@pytest.mark.parametrize("raise_exception", [True, False])
+@pytest.mark.parametrize("fast_mode", [False, True])
+@pytest.mark.parametrize("change", CHANGING.values(), ids=CHANGING)
+def test_an_output_that_changes_when_an_input_is_nudged_is_an_error(change, fast_mode,
+                                                                     raise_exception):
+    # Finite differences of outputs of different shapes broadcast into a wrong Jacobian (a
+    # silent pass for shapes); torch asserts that perturbed outputs keep shape and dtype, and
+    # raises also with raise_exception=False: a misuse, not a failed check.
+    func, match = change
+    with pytest.raises(PerturbedOutputError, match=f"output 0 has {match} with input 0 "
+                                                   "perturbed") as info:
+        gradcheck(func, jnp.asarray(X[:1]), fast_mode=fast_mode,
+                  raise_exception=raise_exception)
+    assert isinstance(info.value, AssertionError)  # torch's type
+
+
+def test_torch_asserts_perturbed_outputs_keep_shape_and_dtype(torch):
+    x = torch.tensor(X[:1], requires_grad=True)
+    for func in (lambda x: x if x[0] > X[0] else torch.cat([x, x]),
+                 lambda x: x.float() if x[0] > X[0] else x):
+        with pytest.raises(AssertionError, match="same (shape|dtype) when inputs are perturbed"):
+            torch.autograd.gradcheck(func, (x,), raise_exception=False)

@@ -155,6 +155,50 @@ def test_nested_hooks_count_each_residual_once():
     assert len(inner_packs) + len(outer_packs) == len(array_leaves(stored))
 
 
+# What a pack hook sees, by what torch saves: a Python number is never hooked (torch keeps it
+# in the node, not as a saved tensor); an array constant is. (jax function, torch function of
+# torch and a, the shapes the pack hook sees.)
+CONSTANTS = {
+    "a * 3": (lambda a: a * 3, lambda torch, a: a * 3, []),
+    "a / 2.0 + 1": (lambda a: a / 2.0 + 1, lambda torch, a: a / 2.0 + 1, []),
+    "sin(a) * 3.5": (lambda a: jnp.sin(a) * 3.5, lambda torch, a: a.sin() * 3.5, [(2,)]),
+    "a * array(3.0)": (lambda a: a * THREE, lambda torch, a: a * torch.tensor(3.0), [()]),
+}
+THREE = jnp.array(3.0, jnp.float32)
+
+
+@pytest.mark.parametrize("jax_fn, shapes", [(f, shapes) for f, _, shapes in CONSTANTS.values()],
+                         ids=CONSTANTS)
+def test_python_numbers_are_not_hooked(variant, jax_fn, shapes):
+    seen = []
+    hooked = saved_tensors_hooks(lambda x: seen.append(x.shape) or x, lambda x: x)(
+        lambda a: jnp.sum(jax_fn(a)))
+    grad = variant(jax.grad(hooked))(jnp.ones(2))
+    assert seen == shapes
+    np.testing.assert_allclose(grad, jax.grad(lambda a: jnp.sum(jax_fn(a)))(jnp.ones(2)))
+
+
+def test_torch_hooks_no_python_number(torch):
+    seen: list = []
+    for _, torch_fn, shapes in CONSTANTS.values():
+        seen.clear()
+        a = torch.ones(2, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda x: seen.append(tuple(x.shape)) or x, lambda x: x):
+            torch_fn(torch, a).sum().backward()
+        assert seen == shapes
+
+
+def test_a_function_that_needs_concrete_values_runs_eagerly_with_its_numbers_hooked():
+    # Python control flow on a value: the function cannot be traced to find its literals, so it
+    # runs eagerly as JAX's vjp runs it, and the 3.0 it keeps reaches the pack hook.
+    seen = []
+    hooked = saved_tensors_hooks(lambda x: seen.append(x.shape) or x, lambda x: x)(
+        lambda a: jnp.sum(a * 3) if a[0] > 0 else jnp.sum(a))
+    np.testing.assert_array_equal(jax.grad(hooked)(jnp.ones(2)), [3.0, 3.0])
+    assert seen == [()]
+
+
 def test_hooks_are_not_a_context_manager():
     with pytest.raises(TypeError, match=r"Wrap the function"):
         with saved_tensors_hooks(lambda t: t, lambda t: t):

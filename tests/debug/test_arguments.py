@@ -63,7 +63,7 @@ W, X = jnp.ones((4, 4)), jnp.ones((2, 4))
     ("0", TypeError, ["argnums='0'", "int or a tuple of ints"]),
     (1.0, TypeError, ["argnums=1.0", "int or a tuple of ints"]),
     (True, TypeError, ["argnums=True", "int or a tuple of ints"]),
-    ((), ValueError, ["argnums=()", "-2 to 1"]),
+    ((), ValueError, ["argnums=()", "-2 to 1", "backward=False"]),
     (2, ValueError, ["argnums=2", "2 positional arguments", "-2 to 1"]),
     (-3, ValueError, ["argnums=-3", "2 positional arguments", "-2 to 1"]),
     ((0, 5), ValueError, ["argnums=(0, 5)", "2 positional arguments", "-2 to 1"]),

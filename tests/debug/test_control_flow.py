@@ -59,6 +59,64 @@ def test_while_body_the_equation_that_made_the_nan_not_one_it_spread_to():
     found = first_nonfinite(f, jnp.ones(3), **F16)
     assert found.primitive == "log" and found.value == "nan"
 
+
+def _grow_tenfold(c, w):
+    h = c @ w
+    return h * 10.0
+
+
+def test_while_body_names_the_overflow_not_the_matmul_its_inf_turns_to_nan():
+    # From ones, `h * 10.0` overflows float16 at iteration 4 (1e5); at iteration 5 the matmul
+    # reads that inf and makes NaN (inf * 0). The matmul comes first in the body, yet the
+    # multiply is named, in the while loop as in the same loop written as a scan.
+    w, x = jnp.eye(4), jnp.ones((2, 4))
+
+    def looped(w, x, n):
+        return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, _grow_tenfold(c[1], w)),
+                              (0, x))[1]
+
+    def scanned(w, x):
+        return lax.scan(lambda c, _: (_grow_tenfold(c, w), None), x, None, length=6)[0]
+
+    found = first_nonfinite(looped, w, x, jnp.int32(6), **F16)
+    assert (found.primitive, found.value, found.code) == ("mul", "inf", "return h * 10.0")
+    found = first_nonfinite(scanned, w, x, **F16)
+    assert (found.primitive, found.value, found.iterations) == ("mul", "inf", (4,))
+
+
+def _solve(w, x):
+    # A fixed-point solver: its forward holds a while loop, which JAX cannot differentiate in
+    # reverse mode.
+    def body(carry):
+        i, h = carry
+        return i + 1, jnp.tanh(h @ w + x)
+    _, h = lax.while_loop(lambda carry: carry[0] < 3, body, (0, jnp.zeros_like(x)))
+    return jnp.mean((h * 1e3) @ w)
+
+
+def test_a_solver_in_the_forward_falls_back_to_the_forward_pass_with_a_note():
+    w, x = W * 100, jnp.full((2, 4), 10.0)
+    report = precision_report(_solve, w, x, **F16)
+    assert report.loss_scale is None and report.gradient_underflow is None
+    assert not any(f.backward for f in report.findings)
+    assert report.overflows and report.loss is not None
+    note, = report.notes
+    assert "gradients are not analysed" in note and "while_loop" in note
+    assert note in str(report) and report.to_dict()["notes"] == [note]
+    with pytest.warns(UserWarning, match="gradients are not analysed"):
+        found = first_nonfinite(_solve, w, x, **F16)
+    assert found.primitive == "dot_general" and not found.backward
+
+
+def test_backward_false_runs_the_forward_pass_only_without_a_note():
+    w, x = W * 100, jnp.full((2, 4), 10.0)
+    report = precision_report(_solve, w, x, **F16, backward=False)
+    assert report.loss_scale is None and report.notes == () and report.overflows
+    loss = lambda w, x: jnp.mean((x * 1e3) @ w)
+    report = precision_report(loss, w, x, **F16, backward=False)
+    assert not any(f.backward for f in report.findings) and report.notes == ()
+    assert first_nonfinite(loss, w, x, **F16, backward=False).primitive == "dot_general"
+
 @pytest.mark.parametrize("hot", [True, False])
 def test_cond_branch_taken(hot):
     def f(w, x, hot):

@@ -13,6 +13,7 @@ import pytest
 
 import jamp
 from jamp.debug import first_nonfinite, precision_report
+from jamp.debug.report import LOSS_SCALE_CEILING, LOSS_SCALE_HEADROOM
 
 F16 = dict(dtype=jnp.float16, device_type="cuda")
 
@@ -85,7 +86,7 @@ def test_rules_move_only_the_planted_module_and_fix_it(planted):
 
 def test_to_dict_is_json(planted):
     _, _, report = planted
-    d = json.loads(json.dumps(report.to_dict()))
+    d = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert d["dtype"] == "float16" and d["loss_scale"] == 1.0
     assert d["problems"][0]["kind"] == "overflow" and d["problems"][0]["pass"] == "forward"
     assert d["rules"] == [[p, "float32"] for p, _ in report.rules]
@@ -132,7 +133,7 @@ def test_underflow_at_scale_one_and_a_scale_that_removes_it(regression):
     assert report.gradient_underflow > 0.5
     assert any(f.kind == "underflow" and f.backward for f in report.problems)
     assert report.min_loss_scale is not None and report.min_loss_scale > 1
-    assert report.suggested_loss_scale == report.min_loss_scale <= report.max_loss_scale
+    assert report.min_loss_scale <= report.suggested_loss_scale <= report.max_loss_scale
     at_scale = precision_report(_small_loss, w, x, y, **F16,
                                 loss_scale=report.suggested_loss_scale)
     assert at_scale.gradient_underflow <= 1e-3
@@ -189,3 +190,56 @@ def test_a_function_is_required():
         precision_report(3, jnp.ones(3))
     with pytest.raises(TypeError, match="first_nonfinite's first argument"):
         first_nonfinite("f", jnp.ones(3))
+
+
+# -- a program already broken in float32 ----------------------------------------------------
+
+def _broken(x, w):
+    with jax.named_scope("energy"):
+        h = jnp.sqrt(x @ w - 5.0)  # broken: NaN in float32 too
+    return jnp.mean(h)
+
+
+def test_a_shadow_already_nan_is_said_first_and_proposes_nothing():
+    report = precision_report(_broken, jnp.ones((2, 4)), jnp.ones((4, 4)), **F16)
+    found = report.shadow_nonfinite
+    assert found.primitive == "sqrt" and found.value == "nan" and not found.backward
+    assert found.module == "energy" and found.location.endswith(
+        f":{_line_of(_broken, '# broken')}")
+    assert report.rules == [] and not report.rules_checked
+    assert report.min_loss_scale is None and report.max_loss_scale is None
+    assert report.suggested_loss_scale is None and report.gradient_underflow is None
+    first = str(report).splitlines()[0]
+    assert "float32 shadow is not finite" in first and "energy" in first and "sqrt" in first
+    assert "no rules" in report.summary() and "no loss scale" in report.summary()
+    d = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert d["loss"] == "nan" and d["suggested_loss_scale"] is None
+    assert d["shadow_nonfinite"]["primitive"] == "sqrt" and d["summary"] == report.summary()
+
+
+# -- the suggested loss scale on the real float16 run ----------------------------------------
+
+def test_the_real_float16_run_at_the_suggested_scale_keeps_every_gradient_leaf():
+    # A Dense layer whose loss is scaled by 1e-9: float32 keeps all 64 kernel gradients; the
+    # real float16 run at the suggested scale (not the shadow) must keep each of them too.
+    dense = nn.Dense(4)
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    variables = dense.init(jax.random.key(1), x)
+
+    def loss(variables, x):
+        return jnp.mean(dense.apply(variables, x) ** 2) * 1e-9
+
+    report = precision_report(loss, variables, x, **F16)
+    scale = report.suggested_loss_scale
+    assert report.min_loss_scale <= scale <= report.max_loss_scale / LOSS_SCALE_HEADROOM
+    assert scale == max(report.min_loss_scale,
+                        min(LOSS_SCALE_CEILING, report.max_loss_scale / LOSS_SCALE_HEADROOM))
+    half = jamp.autocast(loss, **F16)
+    scaled = jax.jit(jax.grad(lambda v: half(v, x) * scale))(variables)
+    reference = jax.grad(loss)(variables, x)
+    for kept, got in zip(jax.tree_util.tree_leaves(reference),
+                         jax.tree_util.tree_leaves(scaled)):
+        got = np.asarray(got) / scale
+        assert np.all(np.isfinite(got))
+        assert np.all(got[np.asarray(kept) != 0] != 0)
+        np.testing.assert_allclose(got, kept, rtol=0, atol=1e-2 * np.max(np.abs(kept)))
