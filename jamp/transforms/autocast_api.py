@@ -175,7 +175,7 @@ class AutocastRegion:
         self.table = op_table if op_table is not None else autocast_table(self.device_type)
         # An fp8 recipe as the dtype: every linear layer's product in fp8, the rest in the
         # device's default dtype (as rules=[("**", recipe)] on a transform without a dtype).
-        self.fp8 = (precision_rules.check_rule_setting(dtype, "dtype")
+        self.fp8 = (precision_rules.check_fp8_setting(dtype, "autocast dtype")
                     if isinstance(dtype, Recipe) or is_fp8_dtype(dtype) else None)
         self._explicit_dtype = dtype is not None and self.fp8 is None
         self.dtype = (check_autocast_dtype(dtype) if self._explicit_dtype

@@ -329,24 +329,33 @@ def checked_rules(rules: Any) -> tuple[tuple[str, Setting], ...]:
 
 
 def check_rule_setting(setting: Any, rule: Any) -> Setting:
-    """A rule's setting checked: an fp8 recipe (`jamp.fp8.recipe`) or what
+    """A rule's setting checked: an fp8 recipe (see `check_fp8_setting`) or what
     `jamp.policy.autocast_tables.check_setting` accepts.
 
     Raises:
-      TypeError: for a float8 dtype, saying how to write a recipe; for the delayed recipe, whose
-        state autocast does not thread.
+      TypeError: as `check_fp8_setting`.
       ValueError: as `check_setting`.
     """
     if is_fp8_dtype(setting) or isinstance(setting, Recipe):
-        recipe = check_recipe(setting, f"precision rule {rule!r} sets dtype")
-        if recipe.scaling == "delayed":
-            raise TypeError(
-                f"Precision rule {rule!r} sets the delayed fp8 recipe: its amax history is "
-                "state that autocast does not thread through a step. Use a current-scaling "
-                "recipe (jamp.fp8.recipe(\"tensorwise\")) in rules, or call "
-                "jamp.fp8.dot_general(..., state=...) yourself.")
-        return cast(Setting, recipe)
+        return cast(Setting, check_fp8_setting(setting, f"precision rule {rule[0]!r}: setting"))
     return check_setting(setting, rule)
+
+
+def check_fp8_setting(value: Any, what: str) -> Recipe:
+    """`value`, a recipe autocast can apply (a rule's setting or autocast's dtype).
+
+    Raises:
+      TypeError: for a float8 dtype, saying how to write a recipe; for the delayed recipe,
+        whose state autocast does not thread.
+    """
+    recipe = check_recipe(value, what)
+    if recipe.scaling == "delayed":
+        raise TypeError(
+            f"{what}={recipe!r}: the delayed recipe's amax history is state that autocast does "
+            "not thread through a step. Use a current-scaling recipe "
+            "(jamp.fp8.recipe(\"tensorwise\")) here, or call jamp.fp8.dot_general(..., "
+            "state=...) yourself.")
+    return recipe
 
 
 # -- where an equation sits, and its region ---------------------------------------------------
@@ -514,7 +523,7 @@ def _closest(rule: Rule, paths: list[tuple[str, ...]]) -> str:
 
 
 __all__ = [
-    "check_matched", "check_rule_setting", "checked_rules", "equation_path", "is_module_scope",
-    "locate", "Location", "module_path", "module_pattern", "region_here", "region_of", "Rule",
-    "rule_set", "RuleSet", "Scope", "with_rules"
+    "check_fp8_setting", "check_matched", "check_rule_setting", "checked_rules",
+    "equation_path", "is_module_scope", "locate", "Location", "module_path", "module_pattern",
+    "region_here", "region_of", "Rule", "rule_set", "RuleSet", "Scope", "with_rules"
 ]

@@ -211,3 +211,23 @@ def test_initialize_apply_takes_fp8_rules(net, level):
     assert float8_casts(apply, amp_variables, x) == ["float8_e4m3fn"] * 8
     # The head multiplies in float16 at both levels.
     assert ("float16", "float16") in dot_dtypes(apply, amp_variables, x)
+
+
+def test_an_on_rule_and_a_region_with_its_own_dtype_carve_layers_out(net):
+    model, variables, x = net
+    carved = jamp.autocast(model.apply, dtype=jnp.bfloat16,
+                           rules=[("Block_0/Dense_1", "on"), ("Block_*", TENSORWISE)])
+    assert float8_casts(carved, variables, x) == ["float8_e4m3fn"] * 6
+
+    class FloatRegion(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(16)(x)
+            with jamp.autocast(dtype=jnp.float32):
+                return nn.Dense(16)(x)
+
+    region_model = FloatRegion()
+    region_variables = region_model.init(jax.random.key(0), x)
+    apply = jamp.autocast(region_model.apply, dtype=jnp.bfloat16, rules=[("**", TENSORWISE)])
+    # The region inside the module names its dtype: its Dense runs in float32, not fp8.
+    assert float8_casts(apply, region_variables, x) == ["float8_e4m3fn"] * 2
