@@ -30,12 +30,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jamp import _jax_internals as jx
 from jamp import fp8
-from jamp.policy.dtypes import BFLOAT16, FLOAT32, is_floating
+from jamp.policy.dtypes import FLOAT32, is_floating
 from jamp.transforms.rules import equation_path, module_pattern
 from jamp.walker import control_flow
 from jamp.walker.evaluate import Env, Interpreter
@@ -82,13 +81,13 @@ def measure(fn: Callable, args: tuple, kwargs: dict, recipe: fp8.Recipe
     closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
     flat = jax.tree_util.tree_leaves(args)
     interpreter = _Measure(measured)
-    sums, counts = jax.device_get(jax.jit(
-        lambda consts, flat: interpreter.run(jx.ClosedJaxpr(closed.jaxpr, consts), flat)[1])(
-            list(closed.consts), flat)), interpreter.counts
+    run = jax.jit(lambda consts, flat: interpreter.run(
+        jx.ClosedJaxpr(closed.jaxpr, consts), flat)[1])
     errors = []
-    for path, (noise, rows) in sums.items():
-        snr = math.inf if noise == 0 or rows == 0 else -10 * math.log10(float(noise / rows))
-        errors.append(Fp8Error("/".join(path), path, snr, counts[path], snr < FP8_MIN_SNR_DB))
+    for path, (ratios, rows) in jax.device_get(run(list(closed.consts), flat)).items():
+        snr = math.inf if ratios == 0 or rows == 0 else -10 * math.log10(float(ratios / rows))
+        errors.append(Fp8Error("/".join(path), path, snr, interpreter.counts[path],
+                               snr < FP8_MIN_SNR_DB))
     errors.sort(key=lambda e: (e.snr_db, e.module))
     rules = [(module_pattern(e.path), jnp.bfloat16) for e in errors if e.keep]
     rules += [(module_pattern(e.path), recipe) for e in errors if not e.keep]
@@ -160,24 +159,22 @@ def _add(into: dict, new: dict) -> None:
         into[key] = into[key] + value if key in into else value
 
 
-def table_lines(errors: tuple[Fp8Error, ...], rules: list, recipe: Any,
-                limit: int | None) -> list[str]:
+def table_lines(errors: tuple[Fp8Error, ...], rules: list, limit: int | None) -> list[str]:
     """The report's fp8 section: each module's signal to noise, worst first, and the rules."""
-    lines = [f"fp8 ({recipe!r}): signal to noise of each module's products against float32, "
-             f"worst first; below {FP8_MIN_SNR_DB:g} dB stays in bfloat16"]
+    lines = [f"fp8: signal to noise of each module's products against float32, worst first; "
+             f"below {FP8_MIN_SNR_DB:g} dB stays in bfloat16"]
     for e in errors[:limit]:
         lines.append(f"  {e.snr_db:6.1f} dB  {e.module}  ({e.gemms} GEMMs)"
                      f"{'  -> bfloat16' if e.keep else ''}")
     if limit is not None and len(errors) > limit:
         lines.append(f"  ... {len(errors) - limit} more (row_limit)")
-    lines.append("fp8 rules=[" + ", ".join(
-        f"({p!r}, {'jnp.bfloat16' if np.dtype(BFLOAT16) == _dtype(s) else repr(s)})"
-        for p, s in rules) + "]")
+    lines.append("fp8 rules=[" + ", ".join(f"({p!r}, {_setting(s)})" for p, s in rules) + "]")
     return lines
 
 
-def _dtype(setting: Any) -> Any:
-    return None if isinstance(setting, fp8.Recipe) else np.dtype(setting)
+def _setting(setting: Any) -> str:
+    """A proposed rule's setting as code: the recipe, or bfloat16 (the only dtype proposed)."""
+    return repr(setting) if isinstance(setting, fp8.Recipe) else "jnp.bfloat16"
 
 
 __all__ = ["Fp8Error", "FP8_MIN_SNR_DB", "measure", "table_lines"]

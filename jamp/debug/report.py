@@ -336,8 +336,7 @@ class PrecisionReport:
                   *_columns([header, *[_cells(i + 1, "rounding", f)
                                        for i, f in enumerate(worst)]], 0)]
         if self.fp8:
-            recipe = next((s for _, s in self.fp8_rules if not _is_dtype(s)), "fp8")
-            lines += ["", *fp8_error.table_lines(self.fp8, self.fp8_rules, recipe, limit)]
+            lines += ["", *fp8_error.table_lines(self.fp8, self.fp8_rules, limit)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -366,10 +365,6 @@ def _power(x: float | None) -> str:
         return "none"
     k = math.log2(x)
     return f"2^{int(k)}" if k.is_integer() else f"{x:g}"
-
-
-def _is_dtype(setting: Any) -> bool:
-    return not isinstance(setting, Recipe)
 
 
 def _rules_text(rules) -> str:
