@@ -60,7 +60,7 @@ lint: $(VENV)/.installed-lint
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
 	$(PIP) install -e '.[bench]'
-	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py && ../$(PY) anomaly_overhead.py && ../$(PY) precision_report_cost.py
+	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py && ../$(PY) anomaly_overhead.py && ../$(PY) precision_report_cost.py && ../$(PY) fp8_overhead.py
 
 clean:
 	rm -rf .venv .venv-* build *.egg-info

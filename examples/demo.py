@@ -8,15 +8,17 @@ model from the same initialisation on the same batches with AdamW:
     weights; pure float16. When pure float16 diverges (a non-finite loss, ten skipped steps in
     a row, or no learning), O3 runs again with `cast_model_type=jnp.bfloat16`, and the output
     says so;
-  * `jamp.autocast(loss, dtype=jnp.bfloat16)` with a dynamic loss scale inside `loss_scaled`.
+  * `jamp.autocast(loss, dtype=jnp.bfloat16)` with a dynamic loss scale inside `loss_scaled`;
+  * fp8: the same, with rules that put the blocks' linear layers in fp8 (the tensorwise
+    recipe, `jamp.fp8.recipe("tensorwise")`) and keep the LM head in bfloat16.
 
 Each run computes its loss in float32 from the model's logits. The script shows a progress bar
 per run, then a table (train and validation loss, skipped steps, median step time, the dtypes of
 the params and of the optimizer's master weights, the dtypes of the matmuls of the compiled
-training step, read from its StableHLO, and the share of its matmul FLOPs in half precision,
-from `jamp.profile.amp_report`), a PNG plot of the loss and the loss scale per step, and what
-the numbers say. A closing line is `jamp.debug.precision_report`'s on one small batch: whether
-any module overflows float16 and the initial loss scale it suggests.
+training step, read from its StableHLO, and the shares of its matmul FLOPs in half precision
+and in fp8, from `jamp.profile.amp_report`), a PNG plot of the loss and the loss scale per
+step, and what the numbers say. A closing line is `jamp.debug.precision_report`'s on one
+small batch: whether any module overflows float16 and the initial loss scale it suggests.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from text_data import batches, load_corpus, split
 
 _DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> "
                   r"(tensor<[^>]*>)")
+# The fp8 run's validation loss stays this close to float32's (nats/byte).
+FP8_TOLERANCE = 0.03
 # With O3's static loss scale of 1, a skipped step means the grads overflowed unscaled; this
 # many in a row and the pure-float16 attempt is given up.
 _GIVE_UP_AFTER = 10
@@ -73,6 +77,7 @@ class Result:
     masters_are_params_cast: bool | None = None  # None: no separate masters
     diverged_at: int | None = None  # where a `give_up` run was given up
     scale_period: int | None = None  # a dynamic loss scale's growth interval
+    fp8_flops: float = 0.0  # amp_report's fp8_flops_fraction of the training step
 
     @property
     def first(self) -> float:
@@ -109,6 +114,12 @@ def float32_loss(apply_fn):
         logits = apply_fn({"params": params}, windows[:, :-1])
         return next_byte_loss(logits.astype(jnp.float32), windows)
     return loss
+
+
+def fp8_rules(recipe) -> list:
+    """The blocks' linear layers in fp8, the LM head (the model's last Dense: its logits reach
+    the loss unfiltered) in bfloat16."""
+    return [("/ByteGPT/Dense_0", jnp.bfloat16), ("Block_*", recipe)]
 
 
 def amp_run(name, model, variables, tx, opt_level, **overrides) -> Run:
@@ -171,6 +182,7 @@ def train(run: Run, args, data) -> Result:
                   state=dtypes(opt_state),
                   matmuls=matmul_dtypes(lowered.as_text()),
                   half_flops=report.half_flops_fraction,
+                  fp8_flops=report.fp8_flops_fraction,
                   casts=(sum(c.count for c in report.converts),
                          sum(c.bytes for c in report.converts)),
                   masters_are_params_cast=same,
@@ -191,11 +203,11 @@ def learned(result: Result, reference: Result) -> bool:
 
 
 def table(results: list[Result]) -> str:
-    rows = [("run", "params", "masters", "matmuls (dot_general types)", "half FLOPs", "first",
-             "train", "valid", "skipped", "step ms")]
-    rows += [(r.name, r.params, r.masters, r.matmuls, f"{r.half_flops:.2f}", f"{r.first:.3f}",
-              f"{r.train:.3f}", f"{r.valid:.3f}", f"{len(r.skipped)}/{len(r.losses)}",
-              f"{r.step_ms:.1f}")
+    rows = [("run", "params", "masters", "matmuls (dot_general types)", "half FLOPs",
+             "fp8 FLOPs", "first", "train", "valid", "skipped", "step ms")]
+    rows += [(r.name, r.params, r.masters, r.matmuls, f"{r.half_flops:.2f}",
+              f"{r.fp8_flops:.2f}", f"{r.first:.3f}", f"{r.train:.3f}", f"{r.valid:.3f}",
+              f"{len(r.skipped)}/{len(r.losses)}", f"{r.step_ms:.1f}")
              for r in results]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) if c >= 4 else cell.ljust(w)
@@ -269,6 +281,13 @@ def conclusions(results: list[Result], o3_float16: Result | None, tolerance: flo
         lines.append(f"O3 in pure float16 did not train: {why}. So O3 ran again with "
                      f"cast_model_type=jnp.bfloat16 ('{o3.name}'): train loss {o3.train:.3f}, "
                      f"float32's {ref.train:.3f}.")
+    for fp8 in (r for r in results if r.name == "fp8"):
+        within = abs(fp8.valid - ref.valid) <= FP8_TOLERANCE
+        lines.append(f"fp8 (tensorwise in the blocks' linear layers, {fp8.fp8_flops:.0%} of "
+                     f"the step's matmul FLOPs; LM head in bfloat16): validation loss "
+                     f"{fp8.valid:.3f}, {fp8.valid - ref.valid:+.3f} nats/byte from float32's "
+                     f"({'within' if within else 'NOT within'} {FP8_TOLERANCE}). On the CPU "
+                     "the float8 GEMMs are emulated: float32 products of float8 values.")
     by_kind = collections.defaultdict(list)
     for r in results:
         by_kind[r.matmuls].append(r.name)
@@ -376,11 +395,13 @@ def main():
         o3 = train(amp_run("O3 bf16", model, variables, adamw, "O3",
                            cast_model_type=jnp.bfloat16), args, data)
     results.append(o3)
-    results.append(train(Run(
-        "autocast bf16", jamp.autocast(float32_loss(model.apply), dtype=jnp.bfloat16),
-        jamp.loss_scaled(adamw, jamp.DynamicLossScale(jnp.float32(2.0 ** 15),
-                                                      period=args.growth_interval)),
-        variables["params"]), args, data))
+    for name, rules in (("autocast bf16", None),
+                        ("fp8", fp8_rules(jamp.fp8.recipe("tensorwise")))):
+        results.append(train(Run(
+            name, jamp.autocast(float32_loss(model.apply), dtype=jnp.bfloat16, rules=rules),
+            jamp.loss_scaled(adamw, jamp.DynamicLossScale(jnp.float32(2.0 ** 15),
+                                                          period=args.growth_interval)),
+            variables["params"]), args, data))
 
     print("\n" + table(results))
     print("\nLosses in nats per byte: first at step 0, train the mean of the last 20 steps, "

@@ -790,8 +790,13 @@ def mxfp8_dot_general(lhs, rhs, dimension_numbers, out_dtype) -> Callable | None
     configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
 
     def fn(lhs, rhs):
-        return scaled(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
-                      configs=configs)
+        # scaled_dot_general's gradients come back in its result's dtype: the operands are
+        # widened (exactly) to the widest of theirs and the result's, so that each gradient
+        # returns to its own operand's dtype, as the emulation's do (the branches of the
+        # cond `lax.platform_dependent` builds must agree on them).
+        wide = jax.numpy.result_type(lhs, rhs, out_dtype)
+        return scaled(lhs.astype(wide), rhs.astype(wide), dimension_numbers,
+                      preferred_element_type=wide, configs=configs).astype(out_dtype)
 
     def product_and_pullback(lhs, rhs):
         out, pullback = jax.vjp(fn, lhs, rhs)

@@ -24,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp.debug import fp8_error
 from jamp.debug import program as programs
 from jamp.debug import shadow
 from jamp.debug.nonfinite import NonFinite, locate
 from jamp.debug.program import TOP_LEVEL, source
+from jamp.fp8.recipes import Recipe, check_recipe
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.rules import module_pattern
 
@@ -219,6 +221,10 @@ class PrecisionReport:
         `first_nonfinite`), or None when its outputs are finite.
       notes: what was not analysed, and why (no backward pass though `fn` returns a loss;
         nothing proposed from a shadow that is not finite).
+      fp8: with `precision_report(..., fp8=recipe)`, each module's fp8 error (an
+        `Fp8Error`: signal to noise of its products in fp8 against float32), worst first.
+      fp8_rules: rules that keep the modules fp8 hurts most in bfloat16 and put the others
+        in the recipe: `jamp.autocast(..., rules=report.fp8_rules)`.
     """
 
     dtype: str
@@ -236,6 +242,8 @@ class PrecisionReport:
     suggested_loss_scale: float | None
     shadow_nonfinite: NonFinite | None = None
     notes: tuple[str, ...] = ()
+    fp8: tuple[fp8_error.Fp8Error, ...] = ()
+    fp8_rules: list = dataclasses.field(default_factory=list)
 
     @property
     def overflows(self) -> tuple[Finding, ...]:
@@ -277,6 +285,9 @@ class PrecisionReport:
             dtype=self.dtype, loss_scale=self.loss_scale, loss=self.loss,
             low_loss=self.low_loss, findings=[f.to_dict() for f in self.findings],
             problems=[f.to_dict() for f in self.problems],
+            fp8=[e.to_dict() for e in self.fp8],
+            fp8_rules=[[p, repr(s) if isinstance(s, Recipe) else np.dtype(s).name]
+                       for p, s in self.fp8_rules],
             rules=[[p, np.dtype(s).name] for p, s in self.rules],
             rules_checked=self.rules_checked, unplaced=[f.to_dict() for f in self.unplaced],
             gradient_underflow=self.gradient_underflow, min_loss_scale=self.min_loss_scale,
@@ -324,6 +335,8 @@ class PrecisionReport:
         lines += ["", "largest rounding errors (relative to the value's magnitude):",
                   *_columns([header, *[_cells(i + 1, "rounding", f)
                                        for i, f in enumerate(worst)]], 0)]
+        if self.fp8:
+            lines += ["", *fp8_error.table_lines(self.fp8, self.fp8_rules, limit)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -374,7 +387,7 @@ def _strict_json(value: Any) -> Any:
 
 def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: str | None = None,
                      rules: Any = None, loss_scale: float | None = None, argnums: Any = 0,
-                     backward: bool = True, **kwargs: Any) -> PrecisionReport:
+                     backward: bool = True, fp8: Any = None, **kwargs: Any) -> PrecisionReport:
     """Runs `fn` once in half precision beside a float32 shadow and reports where it breaks.
 
     `fn` runs under `jamp.autocast(fn, dtype=dtype, device_type=device_type, rules=rules)`;
@@ -396,6 +409,9 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
       loss_scale: the scale of the backward pass (default 1).
       argnums: which positional arguments the gradient is taken with respect to.
       backward: False: the forward pass only, also for a scalar loss (`argnums` unused).
+      fp8: a `jamp.fp8.recipe(...)`: also measure each module's fp8 error in float32 (its
+        own matmuls' products in fp8 against exact ones) and propose `fp8_rules` that keep
+        the modules fp8 hurts most in bfloat16 (see `jamp.debug.fp8_error`).
       **kwargs: more arguments for `fn`, passed as they are (not traced).
 
     Returns:
@@ -427,6 +443,7 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
       [('/energy', <class 'jax.numpy.float32'>)]
     """
     caller = "precision_report"
+    recipe = None if fp8 is None else check_recipe(fp8, "fp8")
     run = _runner(fn, args, kwargs, caller, dtype, device_type, loss_scale, argnums)
     first = run(rules, backward)
     if first.shadow_nonfinite is not None:
@@ -446,8 +463,9 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
         if not _forward_overflows(current.findings):
             checked = True
             break
+    errors, fp8_rules = fp8_error.measure(fn, args, kwargs, recipe) if recipe else ((), [])
     return dataclasses.replace(first, rules=proposed, rules_checked=checked and not unplaced,
-                               unplaced=unplaced)
+                               unplaced=unplaced, fp8=errors, fp8_rules=fp8_rules)
 
 
 def _forward_overflows(findings) -> list[Finding]:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.policy.dtypes import HALF_DTYPES, is_half_dtype
+from jamp.policy.dtypes import HALF_DTYPES, is_fp8_dtype, is_half_dtype
 from jamp.profile import stablehlo_converts
 from jamp.profile.table import format_memory
 from jamp.profile.tally import CONVERT, Stats, Tally
@@ -116,6 +116,9 @@ class AmpReport:
     Attributes:
       half_flops_fraction: the share of matmul and convolution FLOPs with float16 or
         bfloat16 operands (0.0 for a program without any).
+      fp8_flops_fraction: the share with float8 operands: fp8 GEMMs, native or emulated (a
+        float32 GEMM of float8 values cast back and divided by their scales, as `jamp.fp8`
+        runs them where no float8 GEMM is lowered); they count under their float8 dtype.
       flops: matmul and convolution FLOPs executed, by compute dtype.
       bytes: bytes of operands and results executed, by dtype.
       primitives: a `Row` per primitive, most FLOPs (then bytes) first.
@@ -125,6 +128,7 @@ class AmpReport:
     """
 
     half_flops_fraction: float
+    fp8_flops_fraction: float
     flops: Mapping[str, int]
     bytes: Mapping[str, int]
     primitives: tuple[Row, ...]
@@ -132,11 +136,24 @@ class AmpReport:
     converts: tuple[Convert, ...]
     compiled: CompiledStats
 
+    @property
+    def fp8_casts(self) -> tuple[Convert, ...]:
+        """The converts to a float8 dtype (fp8 GEMMs' operand casts), most bytes first."""
+        return tuple(c for c in self.converts if is_fp8_dtype(jnp.dtype(c.target)))
+
+    @property
+    def fp8_cast_bytes(self) -> int:
+        """The bytes the casts to float8 write, executed."""
+        return sum(c.bytes for c in self.fp8_casts)
+
     def to_dict(self) -> dict[str, Any]:
         """The report as plain Python (dicts, lists, strings and numbers): `json.dumps` takes
         it as it is."""
         return dict(
-            half_flops_fraction=self.half_flops_fraction, flops=dict(self.flops),
+            half_flops_fraction=self.half_flops_fraction,
+            fp8_flops_fraction=self.fp8_flops_fraction,
+            fp8_casts=[c.to_dict() for c in self.fp8_casts], fp8_cast_bytes=self.fp8_cast_bytes,
+            flops=dict(self.flops),
             bytes=dict(self.bytes), primitives=[r.to_dict() for r in self.primitives],
             modules=[r.to_dict() for r in self.modules],
             converts=[c.to_dict() for c in self.converts], compiled=self.compiled.to_dict())
@@ -168,6 +185,10 @@ class AmpReport:
             f"{format_memory(sum(c.bytes for c in self.converts))} written",
             "compiled, XLA's estimates: " + (", ".join(e for e in estimates if e) or "none"),
         ]
+        if self.fp8_flops_fraction or self.fp8_casts:
+            lines.insert(1, f"fp8_flops_fraction {self.fp8_flops_fraction:.3f} (float8 "
+                            f"operands), {sum(c.count for c in self.fp8_casts)} casts to float8 "
+                            f"executed, {format_memory(self.fp8_cast_bytes)} written")
         header = ("count", "executed", "FLOPs", "bytes")
         for title, rows in (("primitive", self.primitives), ("module", self.modules)):
             cells = [(r.name, str(r.static_count), str(r.count), _amounts(r.flops, _flops),
@@ -313,9 +334,11 @@ def _report(tally: Tally, lowering_converts: Mapping[Any, list], compiled) -> Am
     for stats in primitives.values():
         total.add(stats)
     half = sum(n for dtype, n in total.flops.items() if is_half_dtype(jnp.dtype(dtype)))
+    fp8 = sum(n for dtype, n in total.flops.items() if is_fp8_dtype(jnp.dtype(dtype)))
     all_flops = sum(total.flops.values())
     return AmpReport(
         half_flops_fraction=half / all_flops if all_flops else 0.0,
+        fp8_flops_fraction=fp8 / all_flops if all_flops else 0.0,
         flops=_plain(total.flops), bytes=_plain(total.bytes),
         primitives=_rows(primitives), modules=_rows(modules),
         converts=tuple(sorted(

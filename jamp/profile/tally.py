@@ -17,7 +17,9 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
+from jamp.policy.dtypes import FLOAT8_E5M2, is_fp8_dtype
 from jamp.policy.primitives import MATMULS
 from jamp.profile import stablehlo_converts
 from jamp.transforms.rules import equation_path
@@ -25,6 +27,11 @@ from jamp.walker.walk import Site, walk
 from jamp import _jax_internals as jx
 
 CONVERT = "convert_element_type"
+# The primitives that keep a float8 value's grid while moving or rescaling it: a value cast
+# back from float8 and divided by its scale (the emulated fp8 GEMM's operand, `jamp.fp8`'s
+# dequantization) or laid out again (mxfp8's blocks) is still a float8 value, scaled.
+_KEEPS_FP8 = frozenset({"mul", "div", "neg", "broadcast_in_dim", "reshape", "transpose",
+                        "squeeze", "expand_dims", "pad", "slice", "rev", "copy", CONVERT})
 
 
 @dataclasses.dataclass
@@ -63,6 +70,9 @@ class Tally:
         self.stats: dict[tuple, Stats] = collections.defaultdict(Stats)
         # One equation per kind of lowering.
         self.examples: dict[Any, Any] = {}
+        # The variables that hold float8 values (cast back and scaled, or still float8), with
+        # their float8 dtype: a matmul of two of them is an fp8 GEMM.
+        self.fp8: dict[Any, np.dtype] = {}
 
     def walk(self, jaxpr, path: tuple[str, ...] = (), times: int = 1) -> None:
         """Counts the equations of the open jaxpr `jaxpr`, run `times` times inside the
@@ -88,9 +98,37 @@ class Tally:
             own.count += count
             flops = _matmul_flops(eqn)
             if flops:
-                own.flops[_compute_dtype(eqn)] += flops * count
+                own.flops[self._compute_dtype(eqn)] += flops * count
+            self._follow_fp8(eqn)
             for dtype, n in _bytes_by_dtype(eqn).items():
                 own.bytes[dtype] += n * count
+
+    def _follow_fp8(self, eqn) -> None:
+        """Notes the float8 values `eqn` makes: a float8 result, or a float8 operand's value
+        moved or scaled (`_KEEPS_FP8`; a divisor's grid is not the quotient's)."""
+        out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+        if out is None or not hasattr(out.aval, "dtype"):
+            return
+        if is_fp8_dtype(out.aval.dtype):
+            self.fp8[out] = np.dtype(out.aval.dtype)
+        elif eqn.primitive.name in _KEEPS_FP8:
+            carriers = eqn.invars[:1] if eqn.primitive.name == "div" else eqn.invars
+            found = [self.fp8[a] for a in carriers if self._is_fp8(a)]
+            if found:
+                self.fp8[out] = found[0]
+
+    def _is_fp8(self, atom) -> bool:
+        return not isinstance(atom, jx.Literal) and atom in self.fp8
+
+    def _compute_dtype(self, eqn) -> str:
+        """The dtype a matmul computes in: its operands' (promoted, if they differ); for an
+        fp8 GEMM, emulated or not, their float8 dtype (e5m2 where e4m3 meets e5m2: the
+        coarser grid)."""
+        lhs, rhs = eqn.invars[:2]
+        if all(self._is_fp8(a) or is_fp8_dtype(a.aval.dtype) for a in (lhs, rhs)):
+            found = {self.fp8.get(a, np.dtype(a.aval.dtype)) for a in (lhs, rhs)}
+            return str(found.pop() if len(found) == 1 else FLOAT8_E5M2)
+        return str(jnp.promote_types(lhs.aval.dtype, rhs.aval.dtype))
 
     def _note_convert(self, eqn, path: tuple[str, ...], count: int, written: bool) -> None:
         # A weak-type change (float32 -> float32) is a convert of the lowered program too,
@@ -191,12 +229,6 @@ def _counted_bytes(eqn) -> int:
     convert's result once more, as the cast's."""
     extra = _array_bytes(eqn.outvars[0].aval)[1] if eqn.primitive.name == CONVERT else 0
     return sum(_bytes_by_dtype(eqn).values()) + extra
-
-
-def _compute_dtype(eqn) -> str:
-    """The dtype a matmul computes in: its operands' (promoted, if they differ)."""
-    lhs, rhs = (a.aval.dtype for a in eqn.invars[:2])
-    return str(jnp.promote_types(lhs, rhs))
 
 
 def _array_bytes(aval) -> tuple[str, int]:

@@ -79,6 +79,17 @@ def test_anomaly_overhead_prints_every_ratio(monkeypatch, capsys):
     assert all(float(r) > 0 for r in rows.values())
 
 
+def test_fp8_overhead_prints_every_ratio(monkeypatch, capsys):
+    # The step timing alone: the compile timing clears jax's caches and compiles every step
+    # again, which a smoke run need not pay for.
+    rows, out = quick_ratios(monkeypatch, capsys, "fp8_overhead.py", "--compile-rounds", "0")
+    assert list(rows) == ["bfloat16 autocast step", "fp8 tensorwise step (blocks in fp8)",
+                          "float32 step"]
+    assert float(rows["bfloat16 autocast step"]) == 1.0
+    assert all(float(r) > 0 for r in rows.values())
+    assert "(target <= 2.00: " in out
+
+
 def test_autocast_overhead_prints_the_eager_ratio(monkeypatch, capsys):
     rows, out = quick_ratios(monkeypatch, capsys, "autocast_overhead.py", "--eager-only",
                              "--eager-width", "32")

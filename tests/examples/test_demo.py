@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import chex
+import pytest
 import numpy as np
 
 from helpers import needs_examples_extra
@@ -42,20 +43,29 @@ def test_demo_trains_every_level_and_reports(tmp_path):
     header = next(line for line in out.splitlines() if line.startswith("run "))
     columns = re.split(r"\s{2,}", header)
     assert columns == ["run", "params", "masters", "matmuls (dot_general types)", "half FLOPs",
-                       "first", "train", "valid", "skipped", "step ms"]
+                       "fp8 FLOPs", "first", "train", "valid", "skipped", "step ms"]
     lines = out[out.index(header):].splitlines()[1:]
     rows = {cells[0]: dict(zip(columns, cells)) for cells in
             (re.split(r"\s{2,}", line) for line in lines[:lines.index("")])}
     o3 = "O3 bf16" if "O3 bf16" in rows else "O3"
-    assert list(rows) == ["O0", "O1", "O2", o3, "autocast bf16"]
+    assert list(rows) == ["O0", "O1", "O2", o3, "autocast bf16", "fp8"]
     for name, row in rows.items():
         assert row["skipped"].endswith("/3"), name
         assert float(row["train"]) < float(row["first"]), name  # it learns
     expected = {"O0": ("float32", "-", "f32"), "O1": ("float32", "-", "f16"),
                 "O2": ("float16", "float32", "f16"), "autocast bf16": ("float32", "-", "bf16"),
                 "O3": ("float16", "-", "f16"), "O3 bf16": ("bfloat16", "-", "bf16")}
+    fp8 = rows.pop("fp8")
+    # The blocks' linear layers in fp8 (emulated: float32 products), the rest in bfloat16.
+    assert (fp8["params"], fp8["masters"]) == ("float32", "-")
+    assert 0.5 < float(fp8["fp8 FLOPs"]) < 1.0
+    assert float(fp8["half FLOPs"]) == pytest.approx(1.0 - float(fp8["fp8 FLOPs"]), abs=0.01)
+    assert re.search(r"\d+ f32", fp8["matmuls (dot_general types)"])
+    assert re.search(r"^  \* fp8 \(tensorwise in the blocks' linear layers, \d+% of the step's "
+                     r"matmul FLOPs; LM head in bfloat16\): validation loss [\d.]+, ", out, re.M)
     for name, row in rows.items():
         params, masters, matmul = expected[name]
+        assert float(row["fp8 FLOPs"]) == 0.0, name
         assert (row["params"], row["masters"]) == (params, masters), name
         assert re.fullmatch(rf"\d+ {matmul}", row["matmuls (dot_general types)"]), name
         # amp_report's share of half-precision matmul FLOPs agrees with the matmul dtypes.
@@ -70,7 +80,7 @@ def test_demo_trains_every_level_and_reports(tmp_path):
     assert casts is not None
     assert casts.group(1).startswith("O0 0.00, O1 1.00, O2 1.00")
     converts = dict(re.findall(r"(\S+(?: bf16)?) (\d+) converts writing", casts.group(2)))
-    assert set(converts) == set(rows) and int(converts["O1"]) > 0
+    assert set(converts) == {*rows, "fp8"} and int(converts["O1"]) > 0
 
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     closing = re.search(r"^Precision report \(jamp\.debug\) of the float16 autocast step at loss "
