@@ -146,7 +146,8 @@ def eager_call_times(args):
         "jax.grad(loss), eager": lambda: jax.grad(plain)(params, tokens),
         "jax.grad(jamp.autocast(loss)), eager": lambda: jax.grad(auto)(params, tokens),
     }
-    return time_side_by_side(candidates, rounds=args.rounds, steps=3)
+    # A smoke run (--quick) times one call per round: op-by-op eager calls are slow.
+    return time_side_by_side(candidates, rounds=args.rounds, steps=1 if args.quick else 3)
 
 
 def print_eager(args):
