@@ -548,7 +548,8 @@ def error_source(tb) -> list[tuple[str, int, str]]:
     equations (it came from those equations, and their source info names the user's lines that
     created them: the forward line, for an equation of a backward pass). For the first, the
     traceback's user frames; for the second, the equations', a call's before its body's (a
-    body records its frames from the body inwards). Empty when neither is found.
+    body records its frames from the body inwards), or the traceback's user frames where the
+    equations name none. Empty when neither is found.
     Not public: frames hold JAX's internal locals, `source_info` is an internal field."""
     frames: list[tuple[str, int, str]] = []
     equations: list[JaxprEqn] = []
@@ -567,7 +568,9 @@ def error_source(tb) -> list[tuple[str, int, str]]:
     chain: list[tuple[str, int, str]] = []
     for eqn in equations:
         chain += [f for f in user_frames(eqn) if f not in chain]
-    return chain
+    # Equations of a jitted library function's body (newer jax jits `jnp.log`) name no user
+    # line: the user's frames that called it do.
+    return chain or frames
 
 
 # jamp's own source files: their frames are never the user's line that a tool names.

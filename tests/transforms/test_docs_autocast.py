@@ -46,8 +46,10 @@ def _table(ns):
 
 
 def _primitive_names(ns):
-    block = next(b.code for b in doc_blocks.blocks(DOC) if "primitive_names(jax.nn" in b.code)
-    call, shown = block.split("\n# ", 1)
+    block = next(b.code for b in doc_blocks.blocks(DOC) if "primitive_names(softmax" in b.code)
+    definition, call = block.rsplit("\n\n", 1)
+    call, shown = call.split("\n# ", 1)
+    exec(definition, ns)
     assert eval(call, ns) == eval(shown)
 
 
@@ -111,7 +113,7 @@ CHECKS = {
     '@jamp.autocast("cpu")': _torch_forms,
     "def masked_softmax": _masked,
     '.without("cumsum")': _table,
-    "primitive_names(jax.nn.softmax": _primitive_names,
+    "primitive_names(softmax": _primitive_names,
     "(regions nest)": _regions,
     "cast_outputs=False": _outputs,
     "jamp.autocast(model.apply, dtype=jnp.bfloat16)": _linen,
