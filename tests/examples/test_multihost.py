@@ -65,6 +65,11 @@ def in_process(tmp_path: pathlib.Path, name: str, *extra: str):
 def compilation_cache(tmp_path_factory) -> dict[str, str]:
     """JAX's persistent compilation cache for the processes these tests start: a job started
     again (crashed, then resumed) loads the programs its first start compiled."""
+    if jax.__version_info__ >= (0, 12, 1):
+        # Observed: with jax 0.12.1 a two-process job that loads its programs from this cache
+        # hangs before its first step (the same job passes without the cache, and with it on
+        # jax 0.10 to 0.12.0). The jobs then compile afresh.
+        return {}
     return dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
