@@ -137,6 +137,12 @@ class Sites:
             stack=where.stack + (() if length is None else (length,)),
             refused=where.refused or refused)
 
+    def key(self) -> tuple | None:
+        """What a body transformed here depends on (part of its cache key): its place, while
+        discovering or where it holds sites; elsewhere nothing, so that the calls of a
+        function without sites share one transformed body."""
+        return self.where.key() if self.has_sites(self.where) else None
+
     def has_sites(self, where: Where) -> bool:
         """Whether the bodies at `where` may hold sites (always, while discovering)."""
         return self.discovering or bool(where.under())

@@ -416,14 +416,13 @@ def specialized_at(closed: jx.ClosedJaxpr, region: Region, ctx: Context, avals: 
     body's delayed states, taken after its inputs (`autocast_delayed.Sites.sliced`)."""
     constants = tuple(constants)
     delayed = ctx.delayed
-    where = None if delayed is None else delayed.where
     key = ("specialized", closed, region, _avals_key(avals), constants, carries,
-           None if where is None else where.key(), _avals_key(side_avals))
+           None if delayed is None else delayed.key(), _avals_key(side_avals))
     if key not in ctx.jaxprs:
         def run(*args):
             # A scan body's sites get their states, one iteration's, as its last inputs.
-            with (delayed.inside(delayed.sliced(where, args[len(avals):])) if side_avals
-                  else contextlib.nullcontext()):
+            with (delayed.inside(delayed.sliced(delayed.where, args[len(avals):]))
+                  if delayed is not None and side_avals else contextlib.nullcontext()):
                 return eval_jaxpr(closed, args[:len(avals)], region, ctx, constants,
                                   carries=carries)
 
@@ -440,7 +439,7 @@ def _weak_literal_avals(values) -> list[Any]:
 
 def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.ClosedJaxpr:
     """`closed` transformed with its input and output types unchanged (casts inside)."""
-    key = ("kept", closed, region, None if ctx.delayed is None else ctx.delayed.where.key())
+    key = ("kept", closed, region, None if ctx.delayed is None else ctx.delayed.key())
     if key not in ctx.jaxprs:
         ctx.jaxprs[key] = jx.trace_closed(
             lambda *args: _eval_kept(closed, args, region, ctx), closed.in_avals)

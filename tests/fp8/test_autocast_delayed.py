@@ -3,6 +3,8 @@ keyed by module path, threaded by `jamp.fp8.with_state` (its gradient is the nex
 equals `jamp.fp8.dot_general(..., state=...)` called by hand; stacked per layer under
 `nn.scan`; through remat, vmap and checkpoints (docs/fp8.md, "Delayed scaling")."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,15 +34,21 @@ def _assert_trees_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def _train(loss, params, state, steps, start=0):
-    """`steps` SGD steps of `loss(params, state, x) -> (value, out)`: each step's output,
-    params' gradient and new state."""
+@functools.cache
+def _step(loss):
+    """The jitted SGD step of `loss(params, state, x) -> (value, out)`."""
     @jax.jit
     def step(params, state, x):
         (_, out), (grads, state) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, state, x)
         return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), state, (out, grads)
+    return step
 
+
+def _train(loss, params, state, steps, start=0):
+    """`steps` SGD steps of `loss` from step `start`: the params and state after them, and
+    each step's (output, params' gradient) and new state."""
+    step = _step(loss)
     history = []
     for i in range(start, start + steps):
         params, state, seen = step(params, state, _x(i))
@@ -141,18 +149,18 @@ def test_remat_and_vmap_thread_the_state(dense):
     model, params = dense
     loss_amp = _dense_loss(model)
     state = jamp.fp8.init_autocast_state(loss_amp, params, _x(0))
-    plain = jax.grad(jamp.fp8.with_state(loss_amp), has_aux=True)(state, params, _x(0))[0]
-    rematted = jax.grad(jamp.fp8.with_state(jamp.autocast(
+    grad = jax.jit(jax.grad(jamp.fp8.with_state(loss_amp), has_aux=True))
+    plain = grad(state, params, _x(0))[0]
+    rematted = jax.jit(jax.grad(jamp.fp8.with_state(jamp.autocast(
         jax.checkpoint(lambda p, x: (_mean_square(model.apply({"params": p}, x)), x)),
-        dtype=jnp.float32, rules=[("Dense_0", DELAYED)])), has_aux=True)(state, params, _x(0))
+        dtype=jnp.float32, rules=[("Dense_0", DELAYED)])), has_aux=True))(state, params, _x(0))
     _assert_trees_equal(rematted[0], plain)
     # vmap: each example its own state (mapped with the operands), as if called one by one.
     xs = jnp.stack([_x(0), _x(1)])
     states = jax.tree.map(lambda *leaves: jnp.stack(leaves), state, plain)
-    mapped = jax.vmap(jax.grad(jamp.fp8.with_state(loss_amp), has_aux=True),
-                      in_axes=(0, None, 0))(states, params, xs)[0]
-    for i, one in enumerate([state, plain]):
-        alone = jax.grad(jamp.fp8.with_state(loss_amp), has_aux=True)(one, params, xs[i])[0]
+    mapped = jax.jit(jax.vmap(grad, in_axes=(0, None, 0)))(states, params, xs)[0]
+    second = grad(plain, params, xs[1])[0]
+    for i, alone in enumerate([plain, second]):
         jax.tree.map(np.testing.assert_allclose, _row(mapped, i), alone)
 
 
