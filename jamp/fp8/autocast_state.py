@@ -46,8 +46,7 @@ def init_autocast_state(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, De
     Args:
       fn: a function `jamp.autocast` returned, with `jamp.fp8.recipe("delayed", ...)` as a
         rule's setting or its dtype.
-      *args, **kwargs: example arguments (arrays or `jax.ShapeDtypeStruct`-shaped arrays of
-        the step's shapes).
+      *args, **kwargs: arguments of the step's shapes and dtypes (the first batch, say).
 
     Returns:
       A dict from each site (see the module docstring) to its `DelayedState`.

@@ -145,7 +145,7 @@ def test_nn_scan_stacks_the_state_per_layer_as_an_unrolled_model_keeps_it():
     np.testing.assert_allclose(ours[-1][0][0], theirs[-1][0][0], rtol=1e-6)
 
 
-def test_remat_and_vmap_thread_the_state(dense):
+def test_remat_vmap_and_sharding_thread_the_state(dense):
     model, params = dense
     loss_amp = _dense_loss(model)
     state = jamp.fp8.init_autocast_state(loss_amp, params, _x(0))
@@ -162,6 +162,13 @@ def test_remat_and_vmap_thread_the_state(dense):
     second = grad(plain, params, xs[1])[0]
     for i, alone in enumerate([plain, second]):
         jax.tree.map(np.testing.assert_allclose, _row(mapped, i), alone)
+    # Sharded params and inputs (the features over 8 devices): the same new state.
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    spread = lambda a: jax.device_put(  # noqa: E731
+        a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+            *[None] * (a.ndim - 1), "d")))
+    sharded = grad(state, jax.tree.map(spread, params), spread(_x(0)))[0]
+    jax.tree.map(np.testing.assert_allclose, sharded, plain)
 
 
 def test_a_restored_checkpoint_steps_as_the_uninterrupted_run(dense, tmp_path):
@@ -182,6 +189,32 @@ def test_a_restored_checkpoint_steps_as_the_uninterrupted_run(dense, tmp_path):
     for restored in (from_bytes, from_orbax):
         _, _, resumed = _train(loss, restored["params"], restored["fp8"], 1, start=2)
         _assert_trees_equal(resumed[0], uninterrupted[2])
+
+
+class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (16, 16))
+        return nn.Einsum((16, 16), "bi,io->bo")((x @ w) @ w)
+
+
+def test_keys_index_a_module_s_products_and_stack_a_lax_scan():
+    x = _x(0)
+    model = Shared()
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype),
+                          jax.eval_shape(model.init, jax.random.key(0), x))["params"]
+    shared = jamp.autocast(lambda p, x: model.apply({"params": p}, x), dtype=DELAYED)
+    # Two products of one module (in program order), and one inside jnp.einsum's jit.
+    assert sorted(jamp.fp8.init_autocast_state(shared, params, x)) == [
+        "Shared/Einsum_0", "Shared:0", "Shared:1"]
+
+    def layers(w0, ws, x):
+        return jax.lax.scan(lambda h, w: (h @ w, None), x @ w0, ws)[0]
+
+    ws = jnp.ones((3, 16, 16))
+    state = jamp.fp8.init_autocast_state(jamp.autocast(layers, dtype=DELAYED), ws[0], ws, x)
+    assert {k: v.kernel_amax_history.shape for k, v in state.items()} == {
+        "(top level):0": (4,), "(top level):1": (3, 4)}
 
 
 def test_a_state_that_does_not_fit_and_a_missing_state_are_errors(dense):
