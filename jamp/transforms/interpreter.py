@@ -29,6 +29,11 @@ value is added to as a bias, or that it scales or gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
+
+A product a delayed fp8 recipe selects reads its state by where it sits (`autocast_delayed`):
+the rules above pass the states into the bodies that hold such products (a scan slices them
+per iteration, a `jit` holding one is inlined, a remat body closes over them) and refuse them
+in the bodies that cannot thread them (while, cond, custom_jvp/custom_vjp, shard_map).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ make the same program: the same equations, literals, closed-over constants and r
 `Program.build` turns the closed-over arrays the program uses into inputs and traces the
 autocast interpretation of it all into one jaxpr, what the cache saves (with its compile).
 `Program.run` runs that jaxpr for a call, compiled when the call is eager, and writes the NNX
-state back. `cache_for(fn)` holds the programs of one user function.
+state back. A program built for the delayed fp8 recipe's state (`jamp.fp8.with_state`) takes
+its sites' states as further inputs (`autocast_delayed`). `cache_for(fn)` holds the programs of one user function.
 """
 
 from __future__ import annotations
