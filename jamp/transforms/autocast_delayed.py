@@ -110,9 +110,7 @@ class Sites:
     def running(cls, sites: Sequence[Site], leaves: Sequence[Any]) -> "Sites":
         """The program's sites with their states, from the program's extra inputs (`leaves`,
         six per site in `sites`' order)."""
-        width = len(DelayedState._fields)
-        return cls({site.address: DelayedState(*leaves[i * width:(i + 1) * width])
-                    for i, site in enumerate(sites)})
+        return cls(_by_address([site.address for site in sites], leaves))
 
     def sites(self) -> tuple[Site, ...]:
         """The sites discovered, in program order."""
@@ -172,11 +170,15 @@ class Sites:
     def sliced(self, where: Where, leaves: Sequence[Any]) -> Where:
         """`where` (a scan body's) with the states of its sites, one iteration's slices
         (`leaves`, six per site, in address order: as `stacked` gives them)."""
-        addresses = sorted(where.under())
-        width = len(DelayedState._fields)
-        return dataclasses.replace(where, states={
-            a: DelayedState(*leaves[i * width:(i + 1) * width])
-            for i, a in enumerate(addresses)})
+        return dataclasses.replace(where, states=_by_address(sorted(where.under()), leaves))
+
+
+def _by_address(addresses: Sequence[Address], leaves: Sequence[Any]
+                ) -> dict[Address, DelayedState]:
+    """The states whose leaves are `leaves`, six per address, in the order of `addresses`."""
+    width = len(DelayedState._fields)
+    return {a: DelayedState(*leaves[i * width:(i + 1) * width])
+            for i, a in enumerate(addresses)}
 
 
 def stacked(where: Where) -> list[Any]:
