@@ -11,7 +11,8 @@ make the same program: the same equations, literals, closed-over constants and r
 autocast interpretation of it all into one jaxpr, what the cache saves (with its compile).
 `Program.run` runs that jaxpr for a call, compiled when the call is eager, and writes the NNX
 state back. A program built for the delayed fp8 recipe's state (`jamp.fp8.with_state`) takes
-its sites' states as further inputs (`autocast_delayed`). `cache_for(fn)` holds the programs of one user function.
+its sites' states as further inputs (`autocast_delayed`). `cache_for(fn)` holds the programs
+of one user function.
 """
 
 from __future__ import annotations
@@ -113,9 +114,13 @@ class Program:
             jx.trace_closed(lambda *inputs: program(*inputs, sites=discovering), avals)
             sites = discovering.sites()
             avals += autocast_delayed.state_avals(sites)
-        jaxpr = jx.trace_closed(lambda *inputs: program(
-            *inputs[:num_inputs], sites=None if sites is None else autocast_delayed.Sites
-            .running(sites, inputs[num_inputs:])), avals)
+
+        def with_states(*inputs):
+            running = (None if sites is None
+                       else autocast_delayed.Sites.running(sites, inputs[num_inputs:]))
+            return program(*inputs[:num_inputs], sites=running)
+
+        jaxpr = jx.trace_closed(with_states, avals)
         if region.scope is not None:
             ctx, = contexts
             precision_rules.check_matched(region.scope.rules, ctx.decided, ctx.places,
