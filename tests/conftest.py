@@ -9,12 +9,18 @@ the tests read dtypes from the lowered programs, which these flags do not touch)
 in XLA_FLAGS is kept. XLA aborts the process on a flag it does not know, and jaxlib drops flags
 between versions, so each optional flag is first tried in a child process (once: pytest-xdist's
 workers inherit the result through the environment).
+A test parametrized by both the autocast table (`device_type`: "cpu", "cuda") and the `variant`
+(eager, jit) runs two of its four pairs: each table once, each variant once, the pairing chosen
+per test (and per its other parameters) by a hash of its name, so that every pairing runs
+somewhere in the suite. The table decides the dtypes and the variant the code path; their
+product costs a full compile set per pair. `pytest --all-pairs` runs all four.
 Shared constants and helpers are in `helpers.py`, imported as `helpers`.
 """
 
 import os
 import subprocess
 import sys
+import zlib
 
 _FLAGS = {
     "--xla_force_host_platform_device_count": "8",
@@ -48,6 +54,33 @@ _set_xla_flags()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all-pairs", action="store_true",
+                     help="run every (device_type, variant) pair of the tests that take both")
+
+
+def _runs_pair(item) -> bool:
+    """Whether `item`, a test taking both `device_type` and `variant`, is one of the two
+    pairs its test runs (see the module docstring)."""
+    params = dict(item.callspec.params)
+    table, variant = params.pop("device_type"), params.pop("variant")
+    swapped = zlib.crc32(f"{item.originalname}{sorted(params.items())!r}".encode()) % 2
+    return (variant == "jit") == ((table == "cuda") != bool(swapped))
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--all-pairs"):
+        return
+    kept, deselected = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        pair = "device_type" in params and "variant" in params
+        (kept if not pair or _runs_pair(item) else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 @pytest.fixture(params=["eager", "jit"])
