@@ -180,6 +180,7 @@ class Trace:
     def __init__(self, fn, call: boundary.Call):
         self.cacheable = True
         self.adopted: list = []
+        self.fn_name = getattr(fn, "__qualname__", repr(fn))
         num_args = len(call.traced)
 
         def flat_fn(*flat):
@@ -232,6 +233,7 @@ class Trace:
                 return output(leaf)
             if not boundary.is_immutable(leaf):
                 self.cacheable = False  # a mutable object must be this call's own
+                _check_holds_no_traced_value(leaf, call, self.fn_name)
             return ("value", leaf)
 
         self.result = (tree, [result_source(leaf) for leaf in leaves])
@@ -252,6 +254,20 @@ class Trace:
             self.adopted = [o for o in after.objects() if id(o) not in known]
         self.state_after = after
         return outputs
+
+
+def _check_holds_no_traced_value(value: Any, call: boundary.Call, fn_name: str) -> None:
+    """An object returned as it is (not a pytree) must hold no array of this trace: handed
+    back, it would leak the tracer (jax.jit refuses every output that is not a JAX type)."""
+    reach = boundary.Reach()
+    reach.visit("", value)
+    outer = {id(x) for x in [*call.inputs, *call.reach.arrays]}
+    if any(jx.is_tracer(a) and id(a) not in outer for a in reach.arrays):
+        raise TypeError(
+            f"{fn_name} returned a {type(value).__qualname__} object holding arrays it "
+            "computed: jamp.autocast, as jax.jit, returns only pytrees of arrays (and Python "
+            f"values). Register {type(value).__qualname__} as a pytree (flax.struct.dataclass, "
+            "jax.tree_util.register_dataclass) or return its arrays.")
 
 
 def _is_output_array(x) -> bool:

@@ -58,14 +58,23 @@ def test_python_floats_beside_the_params_are_left_as_they_are():
 
 
 
+@jax.tree_util.register_pytree_node_class
 class Pair:
-    """An output type of the user's own, with Apex's `to(dtype)`."""
+    """An output type of the user's own, with Apex's `to(dtype)`; a pytree, as a traced
+    function's outputs must be (O1's autocast refuses one that is not)."""
 
     def __init__(self, a):
         self.a = a
 
     def to(self, dtype):
         return Pair(self.a.astype(dtype))
+
+    def tree_flatten(self):
+        return (self.a,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
 
 
 def _outputs(y, x):

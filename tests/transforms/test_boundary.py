@@ -359,3 +359,20 @@ def test_a_function_that_fails_leaves_the_module_as_it_was():
         jamp.autocast(fails, device_type="cpu")(model, jnp.arange(3.0))
     assert not hasattr(model, "extra")
     np.testing.assert_array_equal(model.w[...], jnp.ones(3))  # concrete, usable
+
+
+class _Holder:
+    """Not a pytree: what a model may return around its arrays."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_an_object_holding_computed_arrays_is_refused_not_leaked(variant):
+    # jax.jit refuses the output; handed back as it is, the object would hold a tracer.
+    auto = jamp.autocast(lambda x, w: _Holder(x @ w), device_type="cpu")
+    with pytest.raises(TypeError, match=r"returned a _Holder object holding arrays it computed"):
+        variant(lambda x, w: auto(x, w).value)(X, W)
+    # One holding only what it was given, or no arrays, comes back as it was.
+    given = jamp.autocast(lambda x: (x * 2.0, _Holder(W)), device_type="cpu")
+    assert given(X)[1].value is W
