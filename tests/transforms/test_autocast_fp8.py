@@ -60,9 +60,10 @@ def test_rule_selects_the_blocks_linear_layers_and_the_head_stays_bfloat16(net):
                           rules=[("head", jnp.bfloat16), ("Block_*", TENSORWISE)])
     # Four Dense layers, each casting its input and its kernel to e4m3; the head none.
     assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 8
-    # The head multiplies in bfloat16; the fp8 products multiply dequantized float8 values
-    # with a float32 accumulator.
+    # The head multiplies in bfloat16; the fp8 products multiply the float8 values with a
+    # float32 accumulator.
     assert dot_dtypes(apply, variables, x).count(("bfloat16", "bfloat16")) == 1
+    assert dot_dtypes(apply, variables, x).count(("float8_e4m3fn", "float32")) == 4
     # The backward casts the output gradient to e5m2 (tensorwise's grad_input, grad_weight).
     grad = jax.grad(lambda v: apply(v, x).sum())
     assert float8_casts(grad, variables).count("float8_e5m2") == 8
