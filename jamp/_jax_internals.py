@@ -128,6 +128,16 @@ def name_stack(eqn: JaxprEqn):
     return eqn.source_info.name_stack
 
 
+def in_backward_pass(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` was traced by a transposition (the backward pass of a `jax.grad`,
+    `jax.vjp` or `jax.linear_transpose` inside the traced function), as its name stack
+    records it, with the current one (an enclosing equation's, while its body is re-bound).
+    Not public: the name stack's `Transform` entries."""
+    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return any(isinstance(entry, _source_info.Transform) and entry.name == "transpose"
+               for entry in stack.stack)
+
+
 @contextlib.contextmanager
 def equation_context(eqn: JaxprEqn):
     """Re-enters an equation's source info and context while re-binding it, as
