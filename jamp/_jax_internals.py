@@ -131,11 +131,10 @@ def name_stack(eqn: JaxprEqn):
 def in_backward_pass(eqn: JaxprEqn) -> bool:
     """Whether `eqn` was traced by a transposition (the backward pass of a `jax.grad`,
     `jax.vjp` or `jax.linear_transpose` inside the traced function), as its name stack
-    records it, with the current one (an enclosing equation's, while its body is re-bound).
-    Not public: the name stack's `Transform` entries."""
-    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    records it. An equation of a call's body records only its own scopes: the call's
+    equation holds the mark. Not public: the name stack's `Transform` entries."""
     return any(isinstance(entry, _source_info.Transform) and entry.name == "transpose"
-               for entry in stack.stack)
+               for entry in eqn.source_info.name_stack.stack)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ torchao's `matmul_with_hp_or_float8_args` does. Every GEMM takes the float8 valu
 with a float32 accumulator and divides the scales out of its result (torch's `_scaled_mm`,
 XLA's float8 GEMM rewrite), so a sharded weight is cast on its shard and gathered in float8;
 mxfp8's block scales, which vary along the contraction, are divided out of the operands
-before it. The result comes back in the dtype the caller asked for. Delayed scaling carries state and lives in `jamp.fp8.delayed_scaling`.
+before it. The result comes back in the dtype the caller asked for. Delayed scaling carries
+state and lives in `jamp.fp8.delayed_scaling`.
 
 mxfp8 runs `jax.nn.scaled_dot_general` (cuDNN's block-scaled GEMM) in a program lowered for
 CUDA where its shape rules accept the operands (multiples of 32 along every GEMM's contracting

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import jax
 
-from jamp import _jax_internals, fp8
+from jamp import fp8
 from jamp.transforms.autocast_rules import Region
 
 PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -40,8 +40,8 @@ def runs_in_fp8(eqn, region: Region, linear_layer: bool) -> bool:
     """Whether `eqn` runs through `jamp.fp8` in `region` (`linear_layer`: the facts say it is
     one, see the module docstring). A product of a backward pass the traced function runs
     itself (its own `jax.grad`) does not: see the module docstring."""
-    return (region.enabled and region.fp8 is not None and eqn.primitive.name in PRODUCTS
-            and (linear_layer or region.fp8_every) and not _jax_internals.in_backward_pass(eqn))
+    return (region.enabled and region.fp8 is not None and not region.backward
+            and eqn.primitive.name in PRODUCTS and (linear_layer or region.fp8_every))
 
 
 def product(eqn, lhs, rhs, region: Region, path: Sequence[str]) -> jax.Array:

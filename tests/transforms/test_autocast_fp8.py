@@ -234,18 +234,22 @@ def test_an_on_rule_and_a_region_with_its_own_dtype_carve_layers_out(net):
     assert float8_casts(apply, region_variables, x) == ["float8_e4m3fn"] * 2
 
 
-def test_a_grad_inside_the_function_runs_its_backward_products_in_the_region_dtype():
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.checkpoint, jax.jit],
+                         ids=["plain", "checkpoint", "jit"])
+def test_a_grad_inside_the_function_runs_its_backward_products_in_the_region_dtype(wrap):
     # A gradient penalty: the function itself calls jax.grad, so its jaxpr holds the inner
     # backward pass's products as plain dot_generals (the output gradient times the kernel,
     # the input times the output gradient). They are not the recipe's backward GEMMs (jamp
     # cannot tell which operand is the output gradient): they run in the region's dtype; the
-    # forward products run in fp8 (docs/fp8.md, "A jax.grad inside the function").
+    # forward products run in fp8 (docs/fp8.md, "A jax.grad inside the function"), also where
+    # the differentiated function is a call (its backward pass a call's body).
     model = nn.Dense(16)
     x = jnp.linspace(-2.0, 2.0, 4 * 16).reshape(4, 16)
     variables = model.init(jax.random.key(0), x)
 
     def penalized(variables, x):
-        grads = jax.grad(lambda v, x: model.apply(v, x).sum(), argnums=(0, 1))(variables, x)
+        grads = jax.grad(wrap(lambda v, x: model.apply(v, x).sum()), argnums=(0, 1))(
+            variables, x)
         return model.apply(variables, x).sum() + sum(jnp.sum(g ** 2)
                                                      for g in jax.tree.leaves(grads))
 
