@@ -8,10 +8,12 @@ scaling and mxfp8 block scaling (see docs/fp8.md).
   `conv_general_dilated(..., recipe=...)` the same for `lax.conv_general_dilated`.
 - `saturating_cast(x, dtype)`: a cast to float8 that clamps instead of overflowing.
 - Delayed scaling: `DelayedState`, `init_delayed_state(recipe)`, `scale_from_history`,
-  `update_amax_history`; the next state is the gradient with respect to the state.
+  `update_amax_history`; the next state is the gradient with respect to the state. Under
+  autocast: `init_autocast_state(fn, *args)` and `with_state(fn)(state, *args)`.
 """
 
-from jamp.fp8 import casts, delayed_scaling, gemm, products, recipes
+from jamp.fp8 import autocast_state, casts, delayed_scaling, gemm, products, recipes
+from jamp.fp8.autocast_state import init_autocast_state, with_state
 from jamp.fp8.casts import amax_to_scale, saturating_cast
 from jamp.fp8.delayed_scaling import (
     DelayedState,
@@ -22,7 +24,8 @@ from jamp.fp8.delayed_scaling import (
 from jamp.fp8.gemm import conv_general_dilated, dot_general
 from jamp.fp8.recipes import RECIPE_NAMES, Cast, Recipe, check_recipe, recipe
 
-__all__ = ["amax_to_scale", "Cast", "casts", "check_recipe", "conv_general_dilated",
-           "DelayedState", "delayed_scaling", "dot_general", "gemm", "init_delayed_state",
-           "products", "recipe", "RECIPE_NAMES", "Recipe", "recipes", "saturating_cast",
-           "scale_from_history", "update_amax_history"]
+__all__ = ["amax_to_scale", "autocast_state", "Cast", "casts", "check_recipe",
+           "conv_general_dilated", "DelayedState", "delayed_scaling", "dot_general", "gemm",
+           "init_autocast_state", "init_delayed_state", "products", "recipe", "RECIPE_NAMES",
+           "Recipe", "recipes", "saturating_cast", "scale_from_history", "update_amax_history",
+           "with_state"]

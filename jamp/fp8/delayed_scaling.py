@@ -17,7 +17,8 @@ Consequences for callers: one state per GEMM call site and step (two calls on on
 gradient accumulation over micro-batches, would add the new states together); under `jax.vmap`
 map the state with the operands (`in_axes=0` on both) or keep it unmapped (then the
 mapped elements' new states are summed, so map it); under `nn.scan` over layers, stack one
-state per layer, as Flax's variables are.
+state per layer, as Flax's variables are. Under `jamp.autocast` with a delayed rule,
+`jamp.fp8.init_autocast_state` and `with_state` keep these books (`jamp.fp8.autocast_state`).
 
 Numerics, as Flax's `Fp8DotGeneralOp`:
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 
 from jamp._checks import check_bool
+from jamp.fp8 import autocast_state as fp8_state
 from jamp.fp8.recipes import Recipe
 from jamp.policy.autocast_tables import (
     OpTable, autocast_table, canonical_device_type, check_autocast_dtype)
@@ -235,9 +236,7 @@ class AutocastRegion:
             precision_rules.rule_set(self._rules, self.table))
         settings = (region, self.cache_enabled, self.cast_outputs)
 
-        @functools.wraps(fn)
-        def transformed(*args, **kwargs):
-            call = boundary.Call.of(fn, args, kwargs)
+        def program_for(call: boundary.Call, delayed: bool) -> programs.Program:
             # `fn` runs on every call, as it does without autocast (under jax.jit, when jit
             # traces): what it reads is read now. The cache saves the transform and the compile.
             # What `fn` asks of autocast while it is traced (jamp.is_autocast_enabled) is
@@ -246,18 +245,32 @@ class AutocastRegion:
                 traced = programs.Trace(fn, call)
             cache = programs.cache_for(fn)
             key = traced.key(call, region)
-            key = None if key is None else (settings, key)
+            key = None if key is None else (settings, delayed, key)
             program = cache.get(key) if key is not None else None
             if program is None or not program.valid_for(call):
                 program = programs.Program.build(fn, traced, call, region, self.cache_enabled,
-                                                 self.cast_outputs)
+                                                 self.cast_outputs, delayed)
                 if program.cacheable and key is not None:
                     cache.put(key, program)
+            return program
+
+        def run(delayed_state, args, kwargs):
+            call = boundary.Call.of(fn, args, kwargs)
+            program = program_for(call, delayed_state is not None)
             with jax.named_scope(self.scope_name):
-                return program.run(call)
+                return program.run(call, delayed_state)
+
+        def init_delayed(args, kwargs):
+            return program_for(boundary.Call.of(fn, args, kwargs), True).initial_state()
+
+        @functools.wraps(fn)
+        def transformed(*args, **kwargs):
+            return run(None, args, kwargs)
 
         # What it is, for tools that take a function not yet transformed (`jamp.debug`).
         transformed.__jamp_autocast__ = repr(self)  # type: ignore[attr-defined]  # marks it
+        # The delayed fp8 recipe's state, for jamp.fp8.init_autocast_state and with_state.
+        setattr(transformed, fp8_state.STATE_CALLS, fp8_state.StateCalls(init_delayed, run))
         return transformed
 
 

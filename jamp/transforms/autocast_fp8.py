@@ -44,20 +44,23 @@ def runs_in_fp8(eqn, region: Region, linear_layer: bool) -> bool:
             and eqn.primitive.name in PRODUCTS and (linear_layer or region.fp8_every))
 
 
-def product(eqn, lhs, rhs, region: Region, path: Sequence[str]) -> jax.Array:
+def product(eqn, lhs, rhs, region: Region, path: Sequence[str],
+            state: fp8.DelayedState | None = None) -> jax.Array:
     """`eqn`'s product of `lhs` (the input) and `rhs` (the weight) through `jamp.fp8` with the
     region's recipe, its result in the region's dtype; `path` names the module in the warning
-    for a weight float8 GEMMs cannot serve on a GPU."""
+    for a weight float8 GEMMs cannot serve on a GPU; `state`: the delayed recipe's (see
+    `autocast_delayed`)."""
     params = eqn.params
     _check_dimensions(eqn, rhs.shape, path)
     if eqn.primitive.name == "dot_general":
-        return fp8.dot_general(lhs, rhs, params["dimension_numbers"], region.fp8,
+        return fp8.dot_general(lhs, rhs, params["dimension_numbers"], region.fp8, state=state,
                                preferred_element_type=region.dtype,
                                out_sharding=params.get("out_sharding"))
     return fp8.conv_general_dilated(
         lhs, rhs, params["window_strides"], params["padding"], params["lhs_dilation"],
         params["rhs_dilation"], params["dimension_numbers"], params["feature_group_count"],
-        params["batch_group_count"], recipe=region.fp8, preferred_element_type=region.dtype)
+        params["batch_group_count"], recipe=region.fp8, state=state,
+        preferred_element_type=region.dtype)
 
 
 def _weight_dimensions(eqn, shape: Sequence[int]) -> tuple[int, int]:

@@ -29,10 +29,16 @@ value is added to as a bias, or that it scales or gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
+
+A product a delayed fp8 recipe selects reads its state by where it sits (`autocast_delayed`):
+the rules above pass the states into the bodies that hold such products (a scan slices them
+per iteration, a `jit` holding one is inlined, a remat body closes over them) and refuse them
+in the bodies that cannot thread them (while, cond, custom_jvp/custom_vjp, shard_map).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -44,6 +50,7 @@ from jamp import _jax_internals as jx
 from jamp.policy import dtypes, primitives
 from jamp.policy.autocast_tables import FP32, LOWER
 from jamp.transforms import autocast_dataflow as dataflow
+from jamp.transforms import autocast_delayed
 from jamp.transforms import autocast_fp8
 from jamp.transforms import autocast_facts
 from jamp.transforms import autocast_rules as rules
@@ -67,6 +74,8 @@ class Context:
         (closed-over arrays passed afresh; see `programs`).
       decided: the precision rules that decided some equation (indices into the transform's).
       places: the (module path, function rules matched) of the equations seen with rules.
+      delayed: the sites of the delayed fp8 recipe, found or given their states
+        (`autocast_delayed`); None for a program called without delayed state.
     """
 
     cache_enabled: bool = True
@@ -76,6 +85,7 @@ class Context:
     plans: dict = dataclasses.field(default_factory=dict)
     decided: set = dataclasses.field(default_factory=set)
     places: set = dataclasses.field(default_factory=set)
+    delayed: autocast_delayed.Sites | None = None
 
     def region_for(self, region: Region, eqn) -> Region:
         scope = region.scope
@@ -161,6 +171,9 @@ class _Evaluation(Env):
         # loop body's carry (the consts are neither).
         self.inputs = {var: (known, i in carries) for i, (var, known) in enumerate(
             zip(jaxpr.invars, constants or [None] * len(jaxpr.invars), strict=True))}
+        # Where the jaxpr sits, for the delayed recipe's sites (see autocast_delayed).
+        delayed = autocast.ctx.delayed
+        self.where = autocast_delayed.Where() if delayed is None else delayed.where
 
     @property
     def eqn_region(self) -> Region:
@@ -354,7 +367,16 @@ def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, targets) -> list[Any
     lhs = env.casts.read(eqn.invars[0], targets[0])
     rhs = autocast.read(env, eqn.invars[1])
     path = () if region.scope is None else precision_rules.module_path((), region.scope.names)
-    outs = [autocast_fp8.product(eqn, lhs, rhs, region, path)]
+    state = None
+    if region.fp8.scaling == "delayed":
+        delayed = autocast.ctx.delayed
+        if delayed is None:
+            raise TypeError(
+                f"{region.fp8!r} keeps state the call must pass: call the function as "
+                "jamp.fp8.with_state(fn)(state, *args), with state from "
+                "jamp.fp8.init_autocast_state(fn, *args) (docs/fp8.md, \"Delayed scaling\").")
+        state = delayed.state(env.where, env.index, eqn, region.fp8)
+    outs = [autocast_fp8.product(eqn, lhs, rhs, region, path, state)]
     env.facts.kernels.note(eqn, region, outs[0].dtype)
     env.facts.note(eqn, outs)
     return outs
@@ -397,16 +419,24 @@ def specialized(closed: jx.ClosedJaxpr, region: Region, ctx: Context,
 
 
 def specialized_at(closed: jx.ClosedJaxpr, region: Region, ctx: Context, avals: Sequence[Any],
-                   constants: Sequence[Any], carries: frozenset[int] = frozenset()
-                   ) -> jx.ClosedJaxpr:
+                   constants: Sequence[Any], carries: frozenset[int] = frozenset(),
+                   side_avals: Sequence[Any] = ()) -> jx.ClosedJaxpr:
     """`specialized` for abstract inputs (a loop body's, typed by its carries and slices),
-    its `carries` (positions) never scalar-like (see `eval_jaxpr`)."""
+    its `carries` (positions) never scalar-like (see `eval_jaxpr`). `side_avals`: a scan
+    body's delayed states, taken after its inputs (`autocast_delayed.Sites.sliced`)."""
     constants = tuple(constants)
-    key = ("specialized", closed, region, _avals_key(avals), constants, carries)
+    delayed = ctx.delayed
+    key = ("specialized", closed, region, _avals_key(avals), constants, carries,
+           None if delayed is None else delayed.key(), _avals_key(side_avals))
     if key not in ctx.jaxprs:
-        ctx.jaxprs[key] = jx.trace_closed(
-            lambda *args: eval_jaxpr(closed, args, region, ctx, constants, carries=carries),
-            avals)
+        def run(*args):
+            # A scan body's sites get their states, one iteration's, as its last inputs.
+            with (delayed.inside(delayed.sliced(delayed.where, args[len(avals):]))
+                  if delayed is not None and side_avals else contextlib.nullcontext()):
+                return eval_jaxpr(closed, args[:len(avals)], region, ctx, constants,
+                                  carries=carries)
+
+        ctx.jaxprs[key] = jx.trace_closed(run, [*avals, *side_avals])
     return ctx.jaxprs[key]
 
 
@@ -419,7 +449,7 @@ def _weak_literal_avals(values) -> list[Any]:
 
 def interface_kept(closed: jx.ClosedJaxpr, region: Region, ctx: Context) -> jx.ClosedJaxpr:
     """`closed` transformed with its input and output types unchanged (casts inside)."""
-    key = ("kept", closed, region)
+    key = ("kept", closed, region, None if ctx.delayed is None else ctx.delayed.key())
     if key not in ctx.jaxprs:
         ctx.jaxprs[key] = jx.trace_closed(
             lambda *args: _eval_kept(closed, args, region, ctx), closed.in_avals)
@@ -450,7 +480,27 @@ def _constants(env: _Evaluation, eqn) -> list[np.generic | None]:
     return [env.facts.constants.of(a) for a in eqn.invars]
 
 
+def _inside(autocast: Autocast, env: _Evaluation, eqn, refused: str | None = None,
+            length: int | None = None) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context in which the bodies of `eqn` are transformed where they sit, for the delayed
+    recipe's sites (`autocast_delayed.Sites.body`); it may be entered later (a rule JAX
+    traces when it differentiates)."""
+    delayed = autocast.ctx.delayed
+    if delayed is None:
+        return contextlib.nullcontext
+    where = delayed.body(env.where, env.index, eqn, refused, length)
+    return lambda: delayed.inside(where)
+
+
 def _jit_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
+    delayed = autocast.ctx.delayed
+    if delayed is not None and delayed.has_sites(delayed.body(env.where, env.index, eqn)):
+        # Inlined: its delayed sites read their states by address, which a body shared by
+        # the calls of one function would not tell apart.
+        with _inside(autocast, env, eqn)():
+            body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region,
+                                                                 _constants(env, eqn)))
+            return control_flow.call(eqn, invals, body)[0]
     # Re-bound with its body transformed once per program for these inputs (rather than
     # traced again at each call): a function called many times (jnp's jitted helpers)
     # lowers to one function.
@@ -462,27 +512,39 @@ def _jit_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
 def _remat_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     constants = _constants(env, eqn)
     body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region, constants))
-    return control_flow.remat(eqn, invals, body)[0]
+    # Its delayed sites close over their states: jax.checkpoint makes them its inputs.
+    with _inside(autocast, env, eqn)():
+        return control_flow.remat(eqn, invals, body)[0]
 
 
 def _shard_map_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     constants = _constants(env, eqn)
     body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region, constants))
-    return control_flow.shard_map(eqn, invals, body)[0]
+    with _inside(autocast, env, eqn, refused="shard_map")():
+        return control_flow.shard_map(eqn, invals, body)[0]
 
 
 def _cond_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     """Branches keep their interface: they must agree on their outputs' types."""
     invals = _to_traced(eqn, invals)
-    return control_flow.switch(eqn, invals[0], invals[1:],
-                               _kept_bodies(env.eqn_region, autocast.ctx))[0]
+    with _inside(autocast, env, eqn, refused="cond")():
+        return control_flow.switch(eqn, invals[0], invals[1:],
+                                   _kept_bodies(env.eqn_region, autocast.ctx))[0]
 
 
 def _scan_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     """A scan whose carries take the dtypes its body gives them (see `_settled`); one whose
-    carries do not settle keeps its interface."""
+    carries do not settle keeps its interface. The delayed states of its body's sites come in
+    stacked, as more xs."""
+    with _inside(autocast, env, eqn, length=jx.scan_parts(eqn.params)[3]["length"])():
+        return _scan(autocast, env, eqn, invals)
+
+
+def _scan(autocast: Autocast, env: _Evaluation, eqn, invals):
     region, ctx = env.eqn_region, autocast.ctx
     body, num_consts, num_carry, _ = jx.scan_parts(eqn.params)
+    side = [] if ctx.delayed is None else autocast_delayed.stacked(ctx.delayed.where)
+    side_avals = [jax.typeof(s).update(shape=s.shape[1:]) for s in side]
     consts = invals[:num_consts]
     init = invals[num_consts:num_consts + num_carry]
     xs = invals[num_consts + num_carry:]
@@ -493,12 +555,16 @@ def _scan_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     adding = dataflow.accumulating_carries(body.jaxpr, positions, range(num_carry))
     settled = _settled(
         lambda carries: specialized_at(body, region, ctx, [*fixed, *carries, *x_avals],
-                                       inner_constants, frozenset(positions)),
+                                       inner_constants, frozenset(positions), side_avals),
         init, body.in_avals[num_consts:num_consts + num_carry], adding)
     if settled is None:
+        if side:
+            raise ValueError("A scan whose body runs the delayed fp8 recipe has carries whose "
+                             "dtypes do not settle under autocast: keep its carries in one "
+                             "dtype, or give its modules a current-scaling recipe.")
         return control_flow.scan(eqn, _to_traced(eqn, invals), _kept_bodies(region, ctx))[0]
     closed, carry_avals = settled
-    return control_flow.scan(eqn, [*consts, *_as_carries(init, carry_avals), *xs],
+    return control_flow.scan(eqn, [*consts, *_as_carries(init, carry_avals), *xs, *side],
                              _running(closed))[0]
 
 
@@ -506,6 +572,11 @@ def _while_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     """A while loop whose carries take the dtypes its body gives them (see `_settled`), its
     condition transformed for the same dtypes; one whose carries do not settle keeps its
     interface."""
+    with _inside(autocast, env, eqn, refused="while_loop")():
+        return _while(autocast, env, eqn, invals)
+
+
+def _while(autocast: Autocast, env: _Evaluation, eqn, invals):
     region, ctx = env.eqn_region, autocast.ctx
     constants = _constants(env, eqn)
     cond, body, cond_n, body_n = jx.while_parts(eqn.params)
@@ -577,12 +648,16 @@ def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     # outputs to the primal body's, so primal and tangent types agree as JAX requires).
     region, ctx = env.eqn_region, autocast.ctx
     primal = jx.custom_call_body(eqn.params)
-    call = specialized(primal, region, ctx, invals, _constants(env, eqn))
+    inside = _inside(autocast, env, eqn, refused="custom_jvp")
+    with inside():
+        call = specialized(primal, region, ctx, invals, _constants(env, eqn))
 
     def body(closed, args):
         if closed is primal:
             return jx.eval_closed(call, list(args)), {}
-        return autocast.run(closed, args, autocast.env_for(closed, region))
+        # The rule may be traced later, when JAX differentiates the program.
+        with inside():
+            return autocast.run(closed, args, autocast.env_for(closed, region))
 
     return control_flow.custom_jvp(eqn, invals, body)[0]
 
@@ -608,10 +683,11 @@ class RetraceableCall:
 def _custom_vjp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     region, ctx = env.eqn_region, autocast.ctx
     bwd = jx.custom_vjp_bwd(eqn.params)
-    if isinstance(bwd, RetraceableCall):
-        return _retraceable_rule(eqn, bwd, invals, region, ctx, _constants(env, eqn))
-    return control_flow.custom_vjp(eqn, invals, _kept_bodies(region, ctx),
-                                   _bwd_in(region.off_as_is(), ctx))[0]
+    with _inside(autocast, env, eqn, refused="custom_vjp")():
+        if isinstance(bwd, RetraceableCall):
+            return _retraceable_rule(eqn, bwd, invals, region, ctx, _constants(env, eqn))
+        return control_flow.custom_vjp(eqn, invals, _kept_bodies(region, ctx),
+                                       _bwd_in(region.off_as_is(), ctx))[0]
 
 
 def _retraceable_rule(eqn, bwd: RetraceableCall, invals, region, ctx, constants):

@@ -10,7 +10,9 @@ make the same program: the same equations, literals, closed-over constants and r
 `Program.build` turns the closed-over arrays the program uses into inputs and traces the
 autocast interpretation of it all into one jaxpr, what the cache saves (with its compile).
 `Program.run` runs that jaxpr for a call, compiled when the call is eager, and writes the NNX
-state back. `cache_for(fn)` holds the programs of one user function.
+state back. A program built for the delayed fp8 recipe's state (`jamp.fp8.with_state`) takes
+its sites' states as further inputs (`autocast_delayed`). `cache_for(fn)` holds the programs
+of one user function.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jax.extend import core as jex_core
 
 from jamp import _jax_internals as jx
 from jamp.transforms import _nnx_internals as nnx_state
-from jamp.transforms import boundary, interpreter, nnx_scopes
+from jamp.transforms import autocast_delayed, boundary, interpreter, nnx_scopes
 from jamp.transforms import rules as precision_rules
 from jamp.walker.walk import equations
 
@@ -60,6 +62,8 @@ class Program:
       adopted: objects the function created and attached to a module, made the caller's.
       guards: checks a cached program passes before it is reused (see `valid_for`).
       compiled: the program jit-compiled, for eager calls.
+      sites: the delayed fp8 sites of a program built for delayed state, whose states are
+        its last inputs (`autocast_delayed`); None for a program built without.
     """
 
     jaxpr: Any
@@ -71,25 +75,31 @@ class Program:
     adopted: list
     guards: list
     compiled: Callable
+    sites: tuple | None = None
 
     @classmethod
     def build(cls, fn, traced: "Trace", call: boundary.Call, region, cache_enabled: bool,
-              cast_outputs: bool) -> "Program":
+              cast_outputs: bool, delayed: bool = False) -> "Program":
+        """The program of `traced`; with `delayed`, taking the delayed fp8 sites' states
+        after its inputs (the sites found by a first, discovering trace)."""
         user = traced.jaxpr
         lifted, slots, cacheable = _lift_closure_arrays(user, call)
         num_in, num_results = len(user.in_avals), traced.num_results
+        num_inputs = num_in + len(lifted)
         contexts = []
 
-        def program(*inputs):
+        def program(*inputs, sites=None):
             consts = list(user.consts)
             substitutes = {}
-            for slot, k, value in zip(slots, lifted, inputs[num_in:], strict=True):
+            for slot, k, value in zip(slots, lifted, inputs[num_in:num_inputs], strict=True):
                 if slot is None:  # a literal of the program (see _lift_closure_arrays)
                     substitutes[id(call.reach.arrays[k])] = value
                 else:
                     consts[slot] = value
-            ctx = interpreter.Context(cache_enabled=cache_enabled, substitutes=substitutes)
-            contexts.append(ctx)
+            ctx = interpreter.Context(cache_enabled=cache_enabled, substitutes=substitutes,
+                                      delayed=sites)
+            if sites is None or not sites.discovering:
+                contexts.append(ctx)
             outs = interpreter.eval_jaxpr(user, inputs[:num_in], region, ctx, consts=consts)
             results, state = outs[:num_results], outs[num_results:]
             if cast_outputs:
@@ -98,7 +108,19 @@ class Program:
             return results + interpreter.cast_to_avals(state, user.out_avals[num_results:])
 
         avals = list(user.in_avals) + [jax.typeof(call.reach.arrays[k]) for k in lifted]
-        jaxpr = jx.trace_closed(program, avals)
+        sites = None
+        if delayed:
+            discovering = autocast_delayed.Sites()
+            jx.trace_closed(lambda *inputs: program(*inputs, sites=discovering), avals)
+            sites = discovering.sites()
+            avals += autocast_delayed.state_avals(sites)
+
+        def with_states(*inputs):
+            running = (None if sites is None
+                       else autocast_delayed.Sites.running(sites, inputs[num_inputs:]))
+            return program(*inputs[:num_inputs], sites=running)
+
+        jaxpr = jx.trace_closed(with_states, avals)
         if region.scope is not None:
             ctx, = contexts
             precision_rules.check_matched(region.scope.rules, ctx.decided, ctx.places,
@@ -107,7 +129,7 @@ class Program:
                      and not any(jx.is_tracer(c) for c in jaxpr.consts))
         return cls(jaxpr, lifted, traced.result, traced.writes, cacheable,
                    None if cacheable else traced.state_after, traced.adopted,
-                   _guards(call), jax.jit(jex_core.jaxpr_as_fun(jaxpr)))
+                   _guards(call), jax.jit(jex_core.jaxpr_as_fun(jaxpr)), sites)
 
     def valid_for(self, call: boundary.Call) -> bool:
         """What the key cannot say: the objects it names by identity are the same objects
@@ -115,9 +137,17 @@ class Program:
         reached, with the same contents where they are small."""
         return all(check(call) for check in self.guards)
 
-    def run(self, call: boundary.Call):
+    def initial_state(self) -> dict:
+        """Fresh states of the program's delayed fp8 sites, by key."""
+        return autocast_delayed.initial_state(self.sites or ())
+
+    def run(self, call: boundary.Call, delayed_state: Any = None):
+        """The outputs of `call`; `delayed_state`, the user's states of the delayed fp8 sites,
+        for a program built for them."""
         inputs = call.inputs
         arguments = inputs + [call.reach.arrays[k] for k in self.lifted]
+        if self.sites is not None:
+            arguments += autocast_delayed.state_leaves(self.sites, delayed_state)
         if self.cacheable and not any(map(jx.is_tracer, arguments)):
             # An eager call: run the cached program compiled, as jax.jit runs its cache.
             outs = self.compiled(*arguments)

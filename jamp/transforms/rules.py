@@ -345,17 +345,9 @@ def check_fp8_setting(value: Any, what: str) -> Recipe:
     """`value`, a recipe autocast can apply (a rule's setting or autocast's dtype).
 
     Raises:
-      TypeError: for a float8 dtype, saying how to write a recipe; for the delayed recipe,
-        whose state autocast does not thread.
+      TypeError: for a float8 dtype, saying how to write a recipe.
     """
-    recipe = check_recipe(value, what)
-    if recipe.scaling == "delayed":
-        raise TypeError(
-            f"{what}={recipe!r}: the delayed recipe's amax history is state that autocast does "
-            "not thread through a step. Use a current-scaling recipe "
-            "(jamp.fp8.recipe(\"tensorwise\")) here, or call jamp.fp8.dot_general(..., "
-            "state=...) yourself.")
-    return recipe
+    return check_recipe(value, what)
 
 
 # -- where an equation sits, and its region ---------------------------------------------------

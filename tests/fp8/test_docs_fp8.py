@@ -3,6 +3,7 @@ those of `doc_blocks`)."""
 
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,6 +30,20 @@ def _state_moves(ns):
     assert float(state.input_scale[0]) != 1.0 and float(state.output_grad_scale[0]) != 1.0
 
 
+def _autocast_state_moves(ns):
+    state = ns["fp8_state"]
+    assert list(state) == [f"Net/Block_{i}/Dense_{j}" for i in range(2) for j in range(2)]
+    for site in state.values():
+        assert int(jnp.sum(site.output_grad_amax_history > 0)) == 3
+        assert float(site.input_scale[0]) != 1.0
+
+
+def _resumes_as_uninterrupted(ns):
+    for resumed, uninterrupted in zip(jax.tree.leaves(ns["resumed"]),
+                                      jax.tree.leaves(ns["uninterrupted"]), strict=True):
+        np.testing.assert_array_equal(resumed, uninterrupted)
+
+
 def _blocks_in_fp8(ns):
     assert ns["fp8_casts"] == 8
     assert ns["logits"].dtype == jnp.float32 and ns["logits"].shape == (8, 16)
@@ -40,6 +55,8 @@ CHECKS = {
     "cast = jax.jit(jamp.fp8.saturating_cast": _saturates,
     "grads = jax.grad(loss)(kernel, x)": _bfloat16_grads,
     "kernel, state = train_step(kernel, state, x)": _state_moves,
+    "params, fp8_state = fp8_step(params, fp8_state, tokens)": _autocast_state_moves,
+    "uninterrupted = fp8_step(params, fp8_state, tokens)": _resumes_as_uninterrupted,
 }
 
 

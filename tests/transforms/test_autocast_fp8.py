@@ -153,14 +153,12 @@ def test_attention_matmuls_stay_unless_a_function_rule_names_them():
     assert float8_casts(named, variables, x) == ["float8_e4m3fn"] * 6
 
 
-def test_float8_dtype_and_delayed_recipe_and_unmatched_rule_are_refused(net):
+def test_float8_dtype_and_unmatched_rule_are_refused(net):
     model, variables, x = net
     with pytest.raises(TypeError, match=r'jamp\.fp8\.recipe\("tensorwise"\)'):
         jamp.autocast(model.apply, rules=[("Block_*", jnp.float8_e4m3fn)])
     with pytest.raises(TypeError, match=r'jamp\.fp8\.recipe\("tensorwise"\)'):
         jamp.autocast(model.apply, dtype=jnp.float8_e4m3fn)
-    with pytest.raises(TypeError, match="delayed"):
-        jamp.autocast(model.apply, rules=[("Block_*", jamp.fp8.recipe("delayed"))])
     with pytest.raises(ValueError, match="'Blok_\\*' matched nothing"):
         jamp.autocast(model.apply, rules=[("Blok_*", TENSORWISE)])(variables, x)
 
