@@ -48,7 +48,9 @@ def all_gather_bytes(compiled_text: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for kind, dims in _ALL_GATHER.findall(compiled_text):
         size = int(np.prod([int(d) for d in dims.split(",") if d]))
-        itemsize = 1 if kind == "pred" else int(re.sub(r"\D", "", kind)) // 8  # bf16 -> 2
+        # bf16 -> 2; the float8 types' names (f8e4m3fn) hold more digits than their width.
+        itemsize = 1 if kind == "pred" or kind.startswith("f8") else int(
+            re.sub(r"\D", "", kind)) // 8
         found[kind] = found.get(kind, 0) + size * itemsize
     return found
 

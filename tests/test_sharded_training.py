@@ -139,6 +139,37 @@ def test_the_half_cast_runs_per_shard_so_fsdp_gathers_half_the_bytes(fsdp):
     assert sum(n for _, n in gathered["O0"]) >= 64 * 32 + 64 * 16  # the kernels, at least
 
 
+def partitioned(lowered, directory) -> str:
+    """The text of `lowered`'s program as XLA's SPMD partitioner leaves it (its collectives
+    placed), before the backend's own passes: the CPU backend, which has no float8 kernels,
+    widens every float8 op to float16 after partitioning, all-gathers included (a GPU
+    backend moves float8 as it is)."""
+    lowered.compile(compiler_options={"xla_dump_to": str(directory),
+                                      "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    (path,) = directory.glob("*after_spmd-partitioning*")
+    return path.read_text()
+
+
+def gathered_bytes(gathers: list[tuple[str, int]]) -> int:
+    return sum(n * (1 if kind.startswith("f8") else int(re.sub(r"\D", "", kind)) // 8)
+               for kind, n in gathers)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fp8_layers_cast_their_kernels_per_shard_and_gather_float8(fsdp, level, tmp_path):
+    # The float8 casts run on the shards (the amax is an all-reduce) and the products take
+    # the float8 kernels, so the FSDP step gathers them in one byte an element.
+    run = fsdp[level]
+    apply = jamp.autocast(run["apply_fn"], dtype=jnp.float16,
+                          rules=[("Dense_*", jamp.fp8.recipe("tensorwise"))])
+    step = jax.jit(train_step(apply, run["tx"]))
+    gathered = all_gathers(partitioned(step.lower(run["params"], run["opt_state"], run["x"]),
+                                       tmp_path))
+    assert sorted(n for kind, n in gathered if kind == "f8e4m3fn") == [64 * 16, 32 * 64]
+    assert not [kind for kind, _ in gathered if kind == "f32"]
+    assert gathered_bytes(gathered) < gathered_bytes(all_gathers(run["compiled"])) * 0.6
+
+
 def test_one_nonfinite_shard_makes_every_shard_skip(fsdp):
     run = fsdp["O2"]
     x = np.asarray(run["x"]).copy()

@@ -1,5 +1,7 @@
-"""Casts to float8 and their scales: the saturating cast, torchao's amax-to-scale rule, and
-the quantize-dequantize round trip of one operand at each granularity.
+"""Casts to float8 and their scales: the saturating cast, torchao's amax-to-scale rule, the
+cast of one operand with its scale (per tensor or per row: a GEMM divides it out of its
+result) and the quantize-dequantize round trip at each granularity (mxfp8's
+blocks, whose scales vary along the contraction, are restored before the GEMM).
 
 Scales follow torchao's convention: the scale multiplies a value into the float8 range
 (`q = cast(x * scale)`) and divides it back out (`x ~ q / scale`). Delayed scaling keeps
@@ -51,6 +53,27 @@ def amax_to_scale(amax: jax.Array, dtype, *, power_of_2: bool = False) -> jax.Ar
     return scale
 
 
+def quantize(x: jax.Array, cast: Cast, axes: Sequence[int], power_of_2: bool = False
+             ) -> tuple[jax.Array, jax.Array]:
+    """`x` cast to float8 as `cast` ("tensor" or "row") says, and its scale.
+
+    Args:
+      x: the operand.
+      cast: its float8 dtype and granularity.
+      axes: the GEMM's contracting dimensions of `x`, along which "row" scales.
+      power_of_2: round the scales down to powers of two (torchao's option).
+
+    Returns:
+      The float8 values `q` and the float32 scale, `x ~ q / scale`, of `x`'s rank with size
+      1 along `axes` ("row") or along every dimension ("tensor").
+    """
+    x32 = x.astype(FLOAT32)
+    reduce = None if cast.granularity == "tensor" else tuple(axes)
+    amax = jnp.max(jnp.abs(x32), axis=reduce, keepdims=True)
+    scale = amax_to_scale(amax, cast.dtype, power_of_2=power_of_2)
+    return saturating_cast(x32 * scale, cast.dtype), scale
+
+
 def quantize_dequantize(x: jax.Array, cast: Cast, axes: Sequence[int],
                         power_of_2: bool = False) -> jax.Array:
     """`x` cast to float8 as `cast` says and back, in float32: the values a float8 GEMM sees.
@@ -66,10 +89,8 @@ def quantize_dequantize(x: jax.Array, cast: Cast, axes: Sequence[int],
         return x32
     if cast.granularity == "block":
         return _block_quantize_dequantize(x32, cast.dtype, tuple(axes))
-    reduce = None if cast.granularity == "tensor" else tuple(axes)
-    amax = jnp.max(jnp.abs(x32), axis=reduce, keepdims=True)
-    scale = amax_to_scale(amax, cast.dtype, power_of_2=power_of_2)
-    return saturating_cast(x32 * scale, cast.dtype).astype(FLOAT32) / scale
+    q, scale = quantize(x32, cast, axes, power_of_2)
+    return q.astype(FLOAT32) / scale
 
 
 def _block_quantize_dequantize(x: jax.Array, dtype: np.dtype, axes: tuple[int, ...]
@@ -98,4 +119,4 @@ def _block_quantize_dequantize(x: jax.Array, dtype: np.dtype, axes: tuple[int, .
     return jnp.transpose(restored, [int(d) for d in np.argsort(kept + list(axes))])
 
 
-__all__ = ["AMAX_EPS", "amax_to_scale", "quantize_dequantize", "saturating_cast"]
+__all__ = ["AMAX_EPS", "amax_to_scale", "quantize", "quantize_dequantize", "saturating_cast"]

@@ -31,8 +31,10 @@ Numerics, as Flax's `Fp8DotGeneralOp`:
 
 A fresh state (scales 1, histories 0) therefore quantizes the first step at scale 1: values
 beyond float8's range saturate (Flax, TE and Keras do the same; jamp follows them for
-parity). The quantize and dequantize run in float32 (Flax runs them in the kernel's dtype:
-the same for float32 kernels).
+parity). The quantize runs in float32 (Flax runs it in the kernel's dtype: the same for
+float32 kernels). Each GEMM takes the float8 values and multiplies its float32 result by the
+two scales (Flax multiplies each operand by its scale before the GEMM: the results differ by
+float32 rounding).
 """
 
 from __future__ import annotations
@@ -114,11 +116,19 @@ def update_amax_history(amax_history: jax.Array, x: jax.Array) -> jax.Array:
 
 def _step(x: jax.Array, dtype, scale: jax.Array, history: jax.Array, recipe: Recipe
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`x` cast to float8 and back (float32) at the delayed scale, the new scale and history."""
+    """`x` cast to float8 at the delayed scale (`x ~ q * scale`), the new scale and history."""
     new_scale = scale_from_history(history, scale, dtype, recipe)
     x32 = x.astype(FLOAT32)
-    restored = saturating_cast(x32 / new_scale, dtype).astype(FLOAT32) * new_scale
-    return restored, new_scale, update_amax_history(history, x32)
+    return (saturating_cast(x32 / new_scale, dtype), new_scale,
+            update_amax_history(history, x32))
+
+
+def _unscaled(out: jax.Array, *scales: jax.Array) -> jax.Array:
+    """A GEMM's float32 result on float8 operands times their (shape (1,)) scales."""
+    factor = scales[0].reshape(())
+    for scale in scales[1:]:
+        factor = factor * scale.reshape(())
+    return out * factor
 
 
 def product(lhs: jax.Array, rhs: jax.Array, product: Product, recipe: Recipe,
@@ -149,11 +159,12 @@ def _delayed_fwd(lhs, rhs, state, product, recipe, dtypes):
                                              state.input_amax_history, recipe)
     rhs8, kernel_scale, kernel_history = _step(rhs, casts.rhs.dtype, state.kernel_scale,
                                                state.kernel_amax_history, recipe)
-    out = product(lhs8, rhs8).astype(dtypes[2])
+    out = _unscaled(product(lhs8, rhs8), input_scale, kernel_scale).astype(dtypes[2])
     partial_state = state._replace(input_scale=input_scale, kernel_scale=kernel_scale,
                                    input_amax_history=input_history,
                                    kernel_amax_history=kernel_history)
-    # The gradient GEMMs reuse the forward's float8 operands (one cast per tensor per step).
+    # The gradient GEMMs reuse the forward's float8 operands (one cast per tensor per step),
+    # saved as float8: a quarter of float32's bytes.
     return out, (lhs8, rhs8, partial_state)
 
 
@@ -165,8 +176,11 @@ def _delayed_bwd(product, recipe, dtypes, residuals, g):
                                          partial_state.output_grad_amax_history, recipe)
     new_state = partial_state._replace(output_grad_scale=grad_scale,
                                        output_grad_amax_history=grad_history)
-    return (product.grad_lhs(g8, rhs8, lhs8.shape).astype(lhs_dtype),
-            product.grad_rhs(lhs8, g8, rhs8.shape).astype(rhs_dtype), new_state)
+    d_lhs = _unscaled(product.grad_lhs(g8, rhs8, lhs8.shape), grad_scale,
+                      partial_state.kernel_scale)
+    d_rhs = _unscaled(product.grad_rhs(lhs8, g8, rhs8.shape), partial_state.input_scale,
+                      grad_scale)
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), new_state
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)

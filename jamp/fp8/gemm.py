@@ -4,9 +4,12 @@ training GEMMs run on float8 operands, as a recipe casts them.
 One `jax.custom_vjp` serves the stateless recipes (tensorwise, rowwise, rowwise_with_gw_hp,
 mxfp8): the forward casts `lhs` and `rhs`, the backward casts the output gradient and
 re-casts the saved high-precision operands for each gradient GEMM with that GEMM's casts, as
-torchao's `matmul_with_hp_or_float8_args` does. Every GEMM multiplies the float8 values
-(dequantized to float32) with a float32 accumulator; its result comes back in the dtype the
-caller asked for. Delayed scaling carries state and lives in `jamp.fp8.delayed_scaling`.
+torchao's `matmul_with_hp_or_float8_args` does. Every GEMM takes the float8 values themselves
+with a float32 accumulator and divides the scales out of its result (torch's `_scaled_mm`,
+XLA's float8 GEMM rewrite), so a sharded weight is cast on its shard and gathered in float8;
+mxfp8's block scales, which vary along the contraction, are divided out of the operands
+before it. The result comes back in the dtype the caller asked for. Delayed scaling carries
+state and lives in `jamp.fp8.delayed_scaling`.
 
 mxfp8 runs `jax.nn.scaled_dot_general` (cuDNN's block-scaled GEMM) in a program lowered for
 CUDA where its shape rules accept the operands (multiples of 32 along every GEMM's contracting
@@ -24,7 +27,8 @@ element is scaled on its own, as if called once per element.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +37,7 @@ from jax import lax
 
 from jamp import _jax_internals
 from jamp.fp8 import delayed_scaling
-from jamp.fp8.casts import quantize_dequantize
+from jamp.fp8.casts import quantize, quantize_dequantize
 from jamp.fp8.products import ConvProduct, DotProduct, Product
 from jamp.fp8.recipes import Gemm, Recipe, check_recipe
 from jamp.policy.dtypes import is_floating
@@ -129,10 +133,53 @@ def _run(lhs, rhs, product: Product, recipe: Recipe, state, preferred_element_ty
     return _scaled(lhs, rhs, product, recipe, out_dtype)
 
 
-def _cast_pair(gemm_casts: Gemm, a: jax.Array, a_axes: Sequence[int], b: jax.Array,
-               b_axes: Sequence[int], power_of_2: bool) -> tuple[jax.Array, jax.Array]:
-    return (quantize_dequantize(a, gemm_casts.lhs, a_axes, power_of_2),
-            quantize_dequantize(b, gemm_casts.rhs, b_axes, power_of_2))
+def _gemm(run: Callable[[jax.Array, jax.Array], jax.Array], casts: Gemm, a: jax.Array,
+          a_axes: Sequence[int], b: jax.Array, b_axes: Sequence[int],
+          kept: tuple[Any, Any] | None, power_of_2: bool) -> jax.Array:
+    """One GEMM, `run`, of `a` and `b` cast as `casts` says, its float32 result unscaled.
+
+    `a_axes` and `b_axes` are the GEMM's contracting dimensions; `kept` (a pair of
+    `jamp.fp8.products.Kept` fields, or None) where each operand's other dimensions land in
+    the result.
+    """
+    operands, scales = [], []
+    for x, cast, axes, pairs in ((a, casts.lhs, a_axes, kept and kept[0]),
+                                 (b, casts.rhs, b_axes, kept and kept[1])):
+        if cast.dtype is None or cast.granularity == "block" or (
+                cast.granularity == "row" and pairs is None):
+            # Kept high, or scales that vary along the contraction: restored before the GEMM.
+            operands.append(quantize_dequantize(x, cast, axes, power_of_2))
+            continue
+        q, scale = quantize(x, cast, axes, power_of_2)
+        operands.append(q)
+        scales.append((scale, pairs if cast.granularity == "row" else None))
+    out = run(*operands)
+    if not scales:
+        return out
+    # The scales come out of the float32 result, as in a float8 GEMM's epilogue: per-tensor
+    # ones as a scalar product, row ones as an outer product along the result's dimensions.
+    # Divided by their product (exact for the scales of all-equal tensors, where multiplying
+    # by rounded reciprocals is not).
+    return out / functools.reduce(operator.mul, [_on_result(scale, pairs, out.ndim)
+                                                 for scale, pairs in scales])
+
+
+def _on_result(scale: jax.Array, pairs: Sequence[tuple[int, int]] | None, ndim: int
+               ) -> jax.Array:
+    """An operand's `scale` laid out against a GEMM result of rank `ndim`: a scalar for a
+    per-tensor scale (`pairs` None); for a row scale (size 1 along the contracting
+    dimensions), each kept dimension `d` at the result's dimension `r`, for the `(d, r)` in
+    `pairs`."""
+    if pairs is None:
+        return scale.reshape(())
+    source = sorted(d for d, _ in pairs)
+    values = scale.reshape([scale.shape[d] for d in source])
+    by_result = sorted(pairs, key=lambda pair: pair[1])
+    values = jnp.transpose(values, [source.index(d) for d, _ in by_result])
+    shape = [1] * ndim
+    for d, r in pairs:
+        shape[r] = scale.shape[d]
+    return values.reshape(shape)
 
 
 def _power_of_2(recipe: Recipe) -> bool:
@@ -141,10 +188,10 @@ def _power_of_2(recipe: Recipe) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _scaled(lhs, rhs, product, recipe, out_dtype):
-    axes = product.axes(lhs.ndim, rhs.ndim)
-    lhs8, rhs8 = _cast_pair(recipe.gemms.output, lhs, axes.lhs, rhs, axes.rhs,
-                            _power_of_2(recipe))
-    return product(lhs8, rhs8).astype(out_dtype)
+    axes, kept = product.axes(lhs.ndim, rhs.ndim), product.kept(lhs.ndim, rhs.ndim)
+    out = _gemm(product, recipe.gemms.output, lhs, axes.lhs, rhs, axes.rhs,
+                kept and (kept.lhs, kept.rhs), _power_of_2(recipe))
+    return out.astype(out_dtype)
 
 
 def _scaled_fwd(lhs, rhs, product, recipe, out_dtype):
@@ -155,14 +202,14 @@ def _scaled_fwd(lhs, rhs, product, recipe, out_dtype):
 
 def _scaled_bwd(product, recipe, out_dtype, residuals, g):
     lhs, rhs = residuals
-    axes = product.axes(lhs.ndim, rhs.ndim)
+    axes, kept = product.axes(lhs.ndim, rhs.ndim), product.kept(lhs.ndim, rhs.ndim)
     power_of_2 = _power_of_2(recipe)
-    g8, rhs8 = _cast_pair(recipe.gemms.grad_lhs, g, axes.grad_for_lhs, rhs, axes.rhs_for_lhs,
-                          power_of_2)
-    d_lhs = product.grad_lhs(g8, rhs8, lhs.shape)
-    lhs8, g8 = _cast_pair(recipe.gemms.grad_rhs, lhs, axes.lhs_for_rhs, g, axes.grad_for_rhs,
-                          power_of_2)
-    d_rhs = product.grad_rhs(lhs8, g8, rhs.shape)
+    d_lhs = _gemm(lambda g, rhs: product.grad_lhs(g, rhs, lhs.shape), recipe.gemms.grad_lhs,
+                  g, axes.grad_for_lhs, rhs, axes.rhs_for_lhs,
+                  kept and (kept.grad_for_lhs, kept.rhs_for_lhs), power_of_2)
+    d_rhs = _gemm(lambda lhs, g: product.grad_rhs(lhs, g, rhs.shape), recipe.gemms.grad_rhs,
+                  lhs, axes.lhs_for_rhs, g, axes.grad_for_rhs,
+                  kept and (kept.lhs_for_rhs, kept.grad_for_rhs), power_of_2)
     return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
 
 

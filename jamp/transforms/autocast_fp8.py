@@ -11,6 +11,12 @@ The input enters the float8 cast in the region's dtype (autocast's cast of an ac
 torchao's Float8Linear casts its input to the autocast dtype), the weight in its own dtype
 (its scale comes from the float32 master); the result comes back in the region's dtype and
 the gradients in the operands' dtypes (`jamp.fp8.dot_general`).
+
+A `jax.grad` inside the traced function puts its backward pass in the jaxpr as plain
+products (the output gradient times the kernel, the input times the output gradient), which
+no fact tells apart as a layer's grad_input and grad_weight GEMMs: they run in the region's
+dtype, as jax traced them, not through the recipe. The recipe's backward GEMMs come from
+differentiating the transformed function (`jamp.fp8.dot_general`'s custom_vjp).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ GEMM_MULTIPLE = 16
 
 def runs_in_fp8(eqn, region: Region, linear_layer: bool) -> bool:
     """Whether `eqn` runs through `jamp.fp8` in `region` (`linear_layer`: the facts say it is
-    one, see the module docstring)."""
-    return (region.enabled and region.fp8 is not None and eqn.primitive.name in PRODUCTS
-            and (linear_layer or region.fp8_every))
+    one, see the module docstring). A product of a backward pass the traced function runs
+    itself (its own `jax.grad`) does not: see the module docstring."""
+    return (region.enabled and region.fp8 is not None and not region.backward
+            and eqn.primitive.name in PRODUCTS and (linear_layer or region.fp8_every))
 
 
 def product(eqn, lhs, rhs, region: Region, path: Sequence[str],

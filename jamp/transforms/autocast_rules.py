@@ -57,6 +57,9 @@ class Region:
         (`jamp.fp8.Recipe`): its linear layers' products run through `jamp.fp8`; else None.
       fp8_every: set by a function rule: every matmul and convolution in the function runs
         through `jamp.fp8`, products of two activations (attention's) included.
+      backward: in a backward pass the traced function runs itself (its own `jax.grad`),
+        bodies of calls in it included: no product runs through `jamp.fp8` (see
+        `jamp.transforms.autocast_fp8`).
     """
 
     enabled: bool
@@ -70,6 +73,7 @@ class Region:
     kernel: str | None = None
     fp8: Any = None
     fp8_every: bool = False
+    backward: bool = False
 
     def off_as_is(self) -> "Region":
         """The state of a custom_vjp bwd: autocast off, ops in their inputs' types (no

@@ -95,7 +95,12 @@ class Context:
         if found is None:
             location = precision_rules.locate(region, jx.scope_names(eqn),
                                               functions or frozenset())
-            found = self.regions[key] = location.region
+            found = location.region
+            # Rules fold a region from the transform's own: the mark of a backward pass
+            # (the equation's, or its enclosing call's) is carried in.
+            if region.backward or jx.in_backward_pass(eqn):
+                found = dataclasses.replace(found, backward=True)
+            self.regions[key] = found
             if scope is not None:
                 self.places.add((location.path, found.scope.functions))
                 if location.rule is not None:

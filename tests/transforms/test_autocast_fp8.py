@@ -60,9 +60,10 @@ def test_rule_selects_the_blocks_linear_layers_and_the_head_stays_bfloat16(net):
                           rules=[("head", jnp.bfloat16), ("Block_*", TENSORWISE)])
     # Four Dense layers, each casting its input and its kernel to e4m3; the head none.
     assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 8
-    # The head multiplies in bfloat16; the fp8 products multiply dequantized float8 values
-    # with a float32 accumulator.
+    # The head multiplies in bfloat16; the fp8 products multiply the float8 values with a
+    # float32 accumulator.
     assert dot_dtypes(apply, variables, x).count(("bfloat16", "bfloat16")) == 1
+    assert dot_dtypes(apply, variables, x).count(("float8_e4m3fn", "float32")) == 4
     # The backward casts the output gradient to e5m2 (tensorwise's grad_input, grad_weight).
     grad = jax.grad(lambda v: apply(v, x).sum())
     assert float8_casts(grad, variables).count("float8_e5m2") == 8
@@ -229,3 +230,35 @@ def test_an_on_rule_and_a_region_with_its_own_dtype_carve_layers_out(net):
     apply = jamp.autocast(region_model.apply, dtype=jnp.bfloat16, rules=[("**", TENSORWISE)])
     # The region inside the module names its dtype: its Dense runs in float32, not fp8.
     assert float8_casts(apply, region_variables, x) == ["float8_e4m3fn"] * 2
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.checkpoint, jax.jit],
+                         ids=["plain", "checkpoint", "jit"])
+def test_a_grad_inside_the_function_runs_its_backward_products_in_the_region_dtype(wrap):
+    # A gradient penalty: the function itself calls jax.grad, so its jaxpr holds the inner
+    # backward pass's products as plain dot_generals (the output gradient times the kernel,
+    # the input times the output gradient). They are not the recipe's backward GEMMs (jamp
+    # cannot tell which operand is the output gradient): they run in the region's dtype; the
+    # forward products run in fp8 (docs/fp8.md, "A jax.grad inside the function"), also where
+    # the differentiated function is a call (its backward pass a call's body).
+    model = nn.Dense(16)
+    x = jnp.linspace(-2.0, 2.0, 4 * 16).reshape(4, 16)
+    variables = model.init(jax.random.key(0), x)
+
+    def penalized(variables, x):
+        grads = jax.grad(wrap(lambda v, x: model.apply(v, x).sum()), argnums=(0, 1))(
+            variables, x)
+        return model.apply(variables, x).sum() + sum(jnp.sum(g ** 2)
+                                                     for g in jax.tree.leaves(grads))
+
+    apply = jamp.autocast(penalized, dtype=jnp.bfloat16, rules=[("**", TENSORWISE)])
+    # Two forward products (the inner grad's primal and the outer call) in float8, the inner
+    # grad_input and grad_weight products in bfloat16.
+    assert sorted(dot_dtypes(apply, variables, x)) == (
+        [("bfloat16", "bfloat16")] * 2 + [("float8_e4m3fn", "float32")] * 2)
+    assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 4
+    # Differentiating the transformed function gives the recipe's backward GEMMs to its
+    # forward products: the outer call's output gradient, cast to e5m2 for grad_input and
+    # grad_weight (the inner grad's primal product reaches no output).
+    grad = jax.grad(lambda v: apply(v, x))
+    assert float8_casts(grad, variables).count("float8_e5m2") == 2
