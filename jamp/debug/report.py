@@ -459,7 +459,11 @@ def precision_report(fn: Callable, *args: Any, dtype: Any = None, device_type: s
             break
         proposed += [(module_pattern(p), jnp.float32) for p in added]
         # Only the forward pass can tell: its overflows are the ones the rules move.
-        current = run(proposed + list(precision_rules.checked_rules(rules)), backward=False)
+        try:
+            current = run(proposed + list(precision_rules.checked_rules(rules)),
+                          backward=False)
+        except precision_rules.OverriddenRuleError:
+            break  # a region inside the module keeps its own dtype: no rule moves it
         if not _forward_overflows(current.findings):
             checked = True
             break

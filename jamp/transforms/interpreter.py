@@ -74,6 +74,7 @@ class Context:
         (closed-over arrays passed afresh; see `programs`).
       decided: the precision rules that decided some equation (indices into the transform's).
       places: the (module path, function rules matched) of the equations seen with rules.
+      overridden: the rules that matched equations a region inside their module set again.
       delayed: the sites of the delayed fp8 recipe, found or given their states
         (`autocast_delayed`); None for a program called without delayed state.
     """
@@ -85,6 +86,7 @@ class Context:
     plans: dict = dataclasses.field(default_factory=dict)
     decided: set = dataclasses.field(default_factory=set)
     places: set = dataclasses.field(default_factory=set)
+    overridden: set = dataclasses.field(default_factory=set)
     delayed: autocast_delayed.Sites | None = None
 
     def region_for(self, region: Region, eqn) -> Region:
@@ -105,6 +107,8 @@ class Context:
                 self.places.add((location.path, found.scope.functions))
                 if location.rule is not None:
                     self.decided.add(location.rule)
+                if location.overridden is not None:
+                    self.overridden.add(location.overridden)
         return found
 
     def plan(self, jaxpr: jx.Jaxpr, region: Region

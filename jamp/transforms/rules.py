@@ -381,11 +381,14 @@ class Scope:
 @dataclasses.dataclass(frozen=True)
 class Location:
     """Where an equation sits: its region, the rule that decided it (an index into the
-    transform's rules, or None) and its module path (empty without module rules)."""
+    transform's rules, or None), its module path (empty without module rules), and the rule
+    that matched it but was overridden by a region inside the rule's module that sets its
+    own dtype (`jamp.autocast(..., dtype=...)`, O1's apply function), or None."""
 
     region: Region
     rule: int | None
     path: tuple[str, ...]
+    overridden: int | None = None
 
 
 def with_rules(region: Region, rules: RuleSet | None) -> Region:
@@ -410,12 +413,13 @@ def locate(enclosing: Region, names: Sequence[str], functions: frozenset[int] = 
     functions = scope.functions | functions
     path = module_path((), names)
     choice = scope.rules.choose(path, functions)
-    region = _fold(scope, names, choice)
+    region, overridden = _fold(scope, names, choice)
     kept = names if scope.rules.modules else tuple(
         name for name in names if name.startswith(MARKER_PREFIX))
     inner = dataclasses.replace(scope, names=kept, functions=functions)
+    rule = None if choice is None else choice[0]
     return Location(dataclasses.replace(region, scope=inner),
-                    None if choice is None else choice[0], path)
+                    None if overridden else rule, path, rule if overridden else None)
 
 
 def region_of(enclosing: Region, eqn) -> Region:
@@ -440,28 +444,40 @@ def _markers(names: Iterable[str]) -> tuple:
                  for m in parse_markers(name))
 
 
-def _fold(scope: Scope, names: Sequence[str], choice: tuple[int, int] | None) -> Region:
+def _fold(scope: Scope, names: Sequence[str], choice: tuple[int, int] | None
+          ) -> tuple[Region, bool]:
+    """The region folded from the transform's own, and whether a region marker that sets its
+    own dtype (or turns autocast on or off) came after the chosen rule, overriding it."""
     region = scope.start
     if choice is None:
-        return apply_markers(region, _markers(names))
+        return apply_markers(region, _markers(names)), False
     rule, depth = scope.rules.rules[choice[0]], choice[1]
+    applied = overridden = False
     if depth == 0:
-        region = rule.apply(region, scope.start)
+        region, applied = rule.apply(region, scope.start), True
     path: list[str] = []
     for name in names:
         if name.startswith(MARKER_PREFIX):
-            region = apply_markers(region, parse_markers(name))
+            markers = parse_markers(name)
+            region = apply_markers(region, markers)
+            overridden |= applied and any(
+                {"device", "dtype", "enabled"} & dict(fields).keys() for fields in markers)
         elif _extends(path, name):
             path.append(name)
             if len(path) == depth:
-                region = rule.apply(region, scope.start)
-    return region
+                region, applied, overridden = rule.apply(region, scope.start), True, False
+    return region, overridden
 
 
 # -- rules that match nothing -----------------------------------------------------------------
 
-def check_matched(rules: RuleSet, decided: set[int], places: Iterable[tuple], traced: str
-                  ) -> None:
+class OverriddenRuleError(ValueError):
+    """A precision rule decides nothing: a `jamp.autocast` region inside every module it
+    matches sets its own dtype again (see `check_matched`)."""
+
+
+def check_matched(rules: RuleSet, decided: set[int], places: Iterable[tuple], traced: str,
+                  overridden: Iterable[int] = ()) -> None:
     """Refuses a user's rule that decided no equation of the traced function.
 
     Args:
@@ -469,6 +485,8 @@ def check_matched(rules: RuleSet, decided: set[int], places: Iterable[tuple], tr
       decided: the indices of the rules that decided some equation.
       places: the (module path, matched function rules) of the equations traced.
       traced: the traced function's name, for the message.
+      overridden: the indices of the rules that matched equations whose region a
+        `jamp.autocast` region inside the rule's module set again (`Location.overridden`).
 
     Raises:
       ValueError: naming the first such rule, and the rule that shadows it or the closest
@@ -481,6 +499,14 @@ def check_matched(rules: RuleSet, decided: set[int], places: Iterable[tuple], tr
         shadowing = {first for path, functions in places
                      if (i in functions or rule.depth(path) is not None)
                      for first, _ in [rules.choose(path, functions) or (i, 0)]}
+        if i in overridden:
+            raise OverriddenRuleError(
+                f"Precision rule {rule.pattern!r} decides nothing in {traced}: every equation "
+                "it matches runs in a jamp.autocast region inside the module it matched, and "
+                "that region sets its own dtype (as the apply function jamp.initialize returns "
+                "at O1 does); the innermost setting wins. Write the rule for the modules inside "
+                "that region ('Dense_*', 'Block_*/Dense_0'), or give it to the inner region's "
+                "jamp.autocast.")
         if shadowing:
             first = rules.rules[min(shadowing)].pattern
             raise ValueError(
@@ -517,5 +543,6 @@ def _closest(rule: Rule, paths: list[tuple[str, ...]]) -> str:
 __all__ = [
     "check_fp8_setting", "check_matched", "check_rule_setting", "checked_rules",
     "equation_path", "is_module_scope", "locate", "Location", "module_path", "module_pattern",
+    "OverriddenRuleError",
     "region_here", "region_of", "Rule", "rule_set", "RuleSet", "Scope", "with_rules"
 ]

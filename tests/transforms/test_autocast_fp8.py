@@ -212,6 +212,21 @@ def test_initialize_apply_takes_fp8_rules(net, level):
     assert ("float16", "float16") in dot_dtypes(apply, amp_variables, x)
 
 
+def test_a_rule_every_equation_of_which_an_inner_region_sets_again_is_refused(net):
+    # O1's apply function is an autocast region of its own (float16) inside the model: a rule
+    # that matches the whole model from the top is overridden by it everywhere, and would put
+    # no layer in fp8. It says so rather than doing nothing.
+    model, variables, x = net
+    apply_fn, amp_variables, _ = jamp.initialize(model.apply, variables, optax.sgd(0.1),
+                                                 opt_level="O1", verbosity=0)
+    apply = jamp.autocast(apply_fn, rules=[("**", TENSORWISE)])
+    with pytest.raises(ValueError, match=r"'\*\*' decides nothing .* sets its own dtype"):
+        jax.eval_shape(apply, amp_variables, x)
+    # The same rule on the model itself, where no region sits inside, puts every layer in fp8.
+    everything = jamp.autocast(model.apply, rules=[("**", TENSORWISE)])
+    assert len(float8_casts(everything, variables, x)) > 8
+
+
 def test_an_on_rule_and_a_region_with_its_own_dtype_carve_layers_out(net):
     model, variables, x = net
     carved = jamp.autocast(model.apply, dtype=jnp.bfloat16,
