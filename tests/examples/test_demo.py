@@ -56,11 +56,11 @@ def test_demo_trains_every_level_and_reports(tmp_path):
                 "O2": ("float16", "float32", "f16"), "autocast bf16": ("float32", "-", "bf16"),
                 "O3": ("float16", "-", "f16"), "O3 bf16": ("bfloat16", "-", "bf16")}
     fp8 = rows.pop("fp8")
-    # The blocks' linear layers in fp8 (emulated: float32 products), the rest in bfloat16.
+    # The blocks' linear layers multiply float8 operands into float32, the rest in bfloat16.
     assert (fp8["params"], fp8["masters"]) == ("float32", "-")
     assert 0.5 < float(fp8["fp8 FLOPs"]) < 1.0
     assert float(fp8["half FLOPs"]) == pytest.approx(1.0 - float(fp8["fp8 FLOPs"]), abs=0.01)
-    assert re.search(r"\d+ f32", fp8["matmuls (dot_general types)"])
+    assert re.search(r"\d+ f8E4M3FN->f32", fp8["matmuls (dot_general types)"])
     assert re.search(r"^  \* fp8 \(tensorwise in the blocks' linear layers, \d+% of the step's "
                      r"matmul FLOPs; LM head in bfloat16\): validation loss [\d.]+, ", out, re.M)
     for name, row in rows.items():
