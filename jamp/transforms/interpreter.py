@@ -44,8 +44,9 @@ from jamp import _jax_internals as jx
 from jamp.policy import dtypes, primitives
 from jamp.policy.autocast_tables import FP32, LOWER
 from jamp.transforms import autocast_dataflow as dataflow
-from jamp.transforms import autocast_fp8
 from jamp.transforms import autocast_facts
+from jamp.transforms import autocast_fp8
+from jamp.transforms import autocast_kernels
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
@@ -156,6 +157,9 @@ class _Evaluation(Env):
         # loop body's carry (the consts are neither).
         self.inputs = {var: (known, i in carries) for i, (var, known) in enumerate(
             zip(jaxpr.invars, constants or [None] * len(jaxpr.invars), strict=True))}
+        # The bias adds of linear layers whose matmul returned float32, each with the dtype
+        # its result is rounded to (see `_layer_matmul`).
+        self.rounding: dict[int, np.dtype] = {}
 
     @property
     def eqn_region(self) -> Region:
@@ -299,6 +303,8 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
         outs = jx.bind(eqn, eqn.params, [autocast.read(env, a) for a in eqn.invars])
         facts.note(eqn, outs)
         return outs
+    if env.index in env.rounding:
+        return _layer_bias(env, eqn)
     operands = [_operand(autocast, env, a) for a in eqn.invars]
     follower = facts.kernels.follower(eqn)
     if follower is not None:
@@ -328,6 +334,18 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     # bfloat16 and a float32 input returns bfloat16, as torch's does.
     traced = rules.widest(o.traced for o in operands if o.traced is not None)
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
+    if result in dtypes.HALF_DTYPES and env.index in env.plan.linears:
+        return _layer_matmul(env, eqn, params, result, invals)
+    if result in dtypes.HALF_DTYPES and name in primitives.COMBINING and any(
+            o.follows and o.constant is not None and o.traced == dtypes.FLOAT32
+            and o.constant.astype(result) != o.constant for o in operands):
+        # A Python float the low dtype cannot hold (`x * 0.125` holds, `x * 0.3` does not):
+        # torch computes with it in float32 and rounds the result once.
+        wide_invals = [cast(autocast.read(env, a), dtypes.FLOAT32) if f else v
+                       for a, v, f in zip(eqn.invars, invals, floating, strict=True)]
+        outs = [cast(o, result) for o in jx.bind(eqn, eqn.params, wide_invals)]
+        facts.note(eqn, outs)
+        return outs
     if result in dtypes.HALF_DTYPES and rules.accumulates_in_fp32(name, region, scalar):
         invals = [cast(v, dtypes.FLOAT32) if f else v
                   for v, f in zip(invals, floating, strict=True)]
@@ -339,6 +357,35 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     facts.kernels.note(eqn, region, result)
     outs = jx.bind(eqn, params, invals)
     facts.note(eqn, outs)
+    return outs
+
+
+def _layer_matmul(env: _Evaluation, eqn, params, low: np.dtype, invals) -> list[Any]:
+    """The matmul of torch's `linear`, `conv` or `addmm` (see
+    `autocast_dataflow.linear_kernels`): its `low` operands accumulate in float32, and the
+    result stays float32 until its bias is added (`_layer_bias`)."""
+    env.rounding[env.plan.linears[env.index]] = low
+    env.facts.kernels.note(eqn, env.eqn_region, low)
+    outs = [autocast_kernels.matmul_in_float32(eqn, params, low, *invals)]
+    env.facts.note(eqn, outs)
+    return outs
+
+
+def _layer_bias(env: _Evaluation, eqn) -> list[Any]:
+    """The bias add that ends a linear layer's kernel: the bias, cast to the layer's low
+    dtype as torch casts it, is added to the float32 accumulator and the sum rounded once."""
+    low = env.rounding.pop(env.index)
+    bias = next(i for i, a in enumerate(eqn.invars) if a in env.facts.weights)
+    operands = [env.values[a] for a in eqn.invars]
+    # Widened at the result's shape, not its own: under FSDP a sharded bias is then gathered
+    # in the low dtype (the partitioner gathers the broadcast's operand); widened first, it
+    # would be gathered in float32.
+    low_bias = env.casts.read(eqn.invars[bias], low, saturating=True)
+    operands[bias] = cast(jax.numpy.broadcast_to(low_bias, eqn.outvars[0].aval.shape),
+                          dtypes.FLOAT32)
+    outs = [cast(jx.bind(eqn, eqn.params, operands)[0], low)]
+    env.facts.kernels.mark(eqn.outvars)
+    env.facts.note(eqn, outs)
     return outs
 
 

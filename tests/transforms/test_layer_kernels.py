@@ -14,7 +14,7 @@ import pytest
 
 import jamp
 
-from helpers import F16, F32, eqn_dtypes, jaxpr_eqns
+from helpers import F16, F32, eqn_dtypes, jaxpr_eqns, lowered_op_types
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import torch_training_parity as parity  # noqa: E402
@@ -48,8 +48,10 @@ def test_cross_entropy_after_a_dense_reads_float16_logits(rules):
     dots = jaxpr_eqns(jaxpr, "dot_general")
     assert [eqn_dtypes(e)[0] for e in dots] == [["float16", "float16"]] * 2
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    # (The bias, broadcast to the logits' shape in float16, is widened too.)
     (read,) = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
-               and e.params["new_dtype"] == F32 and e.invars[0].aval.shape == (4, 10)]
+               and e.params["new_dtype"] == F32 and e.invars[0].aval.shape == (4, 10)
+               and producer[e.invars[0]].primitive.name != "broadcast_in_dim"]
     logits = read.invars[0]
     assert logits.aval.dtype == F16
     # The float16 logits are the layer's whole result: its bias is added before they are
@@ -84,3 +86,52 @@ def test_float16_training_skips_the_steps_torch_skips(torch):
     skipped, scales = parity.jamp_run(layers, data)
     assert skipped == torch_skipped and any(skipped)
     assert scales == torch_scales
+
+
+# -- kernels computed in float32 inside and rounded once ------------------------------------
+
+RNG = np.random.default_rng(0)
+ACT = RNG.standard_normal((32, 64)).astype(np.float32)
+KERNEL = (RNG.standard_normal((64, 256)) / 8).astype(np.float32)
+BIAS = RNG.standard_normal(256).astype(np.float32)
+
+
+def bfloat16_of(f, *args):
+    """`f` under cpu autocast, its result as float32 numbers."""
+    out = jamp.autocast(f, device_type="cpu", cast_outputs=False)(*args)
+    assert out.dtype == jnp.bfloat16
+    return np.asarray(out.astype(F32))
+
+
+def test_bfloat16_linear_rounds_once_as_torch_s_kernel(torch):
+    # torch's CPU linear accumulates in float32, adds its (bfloat16) bias there and rounds
+    # once. Before: the matmul's result was rounded, then the sum again (about a quarter of
+    # the outputs 1 ulp off torch's).
+    linear = torch.nn.Linear(64, 256)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(KERNEL.T.copy()))
+        linear.bias.copy_(torch.from_numpy(BIAS))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = linear(torch.from_numpy(ACT)).float().numpy()
+    got = bfloat16_of(lambda x, w, b: x @ w + b, ACT, KERNEL, BIAS)
+    assert (got == want).mean() >= 0.99
+
+
+def test_python_float_scale_is_applied_in_float32_and_rounded_once(torch):
+    # torch multiplies a bfloat16 tensor by a Python float at float32 and rounds once.
+    # Before: the constant was rounded to bfloat16 first (0.3 is not a bfloat16).
+    # Small integers: the matmul is exact in bfloat16, whatever XLA fuses of its rounding.
+    x, w = (RNG.integers(-2, 3, shape).astype(np.float32) for shape in ((32, 64), (64, 256)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = (torch.from_numpy(x) @ torch.from_numpy(w) * 0.3).float().numpy()
+    got = bfloat16_of(lambda x, w: x @ w * 0.3, x, w)
+    assert (got == want).all()
+
+
+def test_a_linear_kernel_differentiates_to_low_precision_matmuls():
+    # The forward accumulates in float32; the backward's matmuls take and return the low
+    # dtype, as torch's do (differentiated as written, they would read float32 cotangents).
+    f = jamp.autocast(lambda x, w, b: jnp.sum((x @ w + b) ** 2), device_type="cpu")
+    dots = lowered_op_types(jax.grad(f, argnums=(0, 1, 2)), ACT, KERNEL, BIAS,
+                            op="dot_general")
+    assert sorted(dots) == [("bfloat16",) * 3] * 2 + [("bfloat16", "bfloat16", "float32")]

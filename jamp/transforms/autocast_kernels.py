@@ -1,0 +1,53 @@
+"""torch kernels that autocast computes in float32 inside and rounds once at their output.
+
+torch's low-precision kernels accumulate in float32 and round their result once: `linear` and
+`addmm` add their bias to the float32 accumulator before rounding. A jaxpr writes such a kernel
+as several primitives, each of which would round; the interpreter recognizes the kernel
+(`autocast_dataflow.linear_kernels`) and computes it with the primitives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jamp import _jax_internals as jx
+from jamp.policy.dtypes import FLOAT32
+
+
+def matmul_in_float32(eqn, params: dict, low: np.dtype, lhs, rhs) -> Any:
+    """A matmul or convolution (`eqn`, with `params` for its `low` dtype result) of two `low`
+    operands, its result accumulated and returned in float32, unrounded, for the kernel
+    around it to finish and round once.
+
+    Its derivatives are `low` products, as torch's backward kernels are: differentiated as
+    written, a float32 result would make the backward's matmuls take float32 cotangents.
+    """
+    wide = jx.with_accumulator_dtype(params, FLOAT32)
+
+    def product(params, a, b):
+        return jx.bind(eqn, params, [a, b])[0]
+
+    @jax.custom_jvp
+    def matmul(a, b):
+        return product(wide, a, b)
+
+    def jvp(primals, tangents):
+        a, b = primals
+        da, db = tangents
+        terms = []
+        if not jx.is_symbolic_zero(da):
+            terms.append(product(params, da, b))
+        if not jx.is_symbolic_zero(db):
+            terms.append(product(params, a, db))
+        out = matmul(a, b)
+        tangent = sum(terms[1:], terms[0]) if terms else jax.numpy.zeros_like(out)
+        return out, tangent.astype(FLOAT32)
+
+    matmul.defjvp(jvp, symbolic_zeros=True)
+    return matmul(lhs, rhs)
+
+
+__all__ = ["matmul_in_float32"]
