@@ -50,4 +50,25 @@ def matmul_in_float32(eqn, params: dict, low: np.dtype, lhs, rhs) -> Any:
     return matmul(lhs, rhs)
 
 
-__all__ = ["matmul_in_float32"]
+def bias_in_float32(bias, shape) -> Any:
+    """A layer's `bias`, already in its low dtype, broadcast to the layer's result `shape` and
+    widened there to float32, for the kernel to add to its accumulator.
+
+    Widened at the result's shape, not its own: under FSDP the partitioner gathers a sharded
+    bias where the broadcast reads it, so it gathers the low values (widened first, float32
+    ones). The bias's gradient is the result's float32 cotangent summed in float32 and
+    rounded once, as torch's is, not a sum of rounded cotangents.
+    """
+    @jax.custom_jvp
+    def widen(b):
+        return jax.numpy.broadcast_to(b, shape).astype(FLOAT32)
+
+    def jvp(primals, tangents):
+        (b,), (db,) = primals, tangents
+        return widen(b), jax.numpy.broadcast_to(db.astype(FLOAT32), shape)
+
+    widen.defjvp(jvp)
+    return widen(bias)
+
+
+__all__ = ["bias_in_float32", "matmul_in_float32"]

@@ -377,12 +377,8 @@ def _layer_bias(env: _Evaluation, eqn) -> list[Any]:
     low = env.rounding.pop(env.index)
     bias = next(i for i, a in enumerate(eqn.invars) if a in env.facts.weights)
     operands = [env.values[a] for a in eqn.invars]
-    # Widened at the result's shape, not its own: under FSDP a sharded bias is then gathered
-    # in the low dtype (the partitioner gathers the broadcast's operand); widened first, it
-    # would be gathered in float32.
-    low_bias = env.casts.read(eqn.invars[bias], low, saturating=True)
-    operands[bias] = cast(jax.numpy.broadcast_to(low_bias, eqn.outvars[0].aval.shape),
-                          dtypes.FLOAT32)
+    operands[bias] = autocast_kernels.bias_in_float32(
+        env.casts.read(eqn.invars[bias], low, saturating=True), eqn.outvars[0].aval.shape)
     outs = [cast(jx.bind(eqn, eqn.params, operands)[0], low)]
     env.facts.kernels.mark(eqn.outvars)
     env.facts.note(eqn, outs)
