@@ -204,6 +204,8 @@ class Autocast(Interpreter):
             env.facts.bind(var, value, *env.inputs.get(var, (None, False)))
         elif var in env.plan.exits:
             value = _leave_kernel(self, env, env.plan.exits[var], value)
+        elif var in env.plan.kernel_exits:
+            value = _round_once(self, env, env.plan.kernel_exits[var], value)
         env.values[var] = value
 
     def default(self, env: _Evaluation, eqn: jx.JaxprEqn, invals: list) -> list:
@@ -218,6 +220,14 @@ def _leave_kernel(autocast: Autocast, env: _Evaluation, activations, value):
     `autocast_rules.entered`)."""
     dtype = rules.widest(rules.entered(env.eqn_region, autocast.read(env, a).dtype,
                                        np.dtype(a.aval.dtype)) for a in activations)
+    return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
+            else value)
+
+
+def _round_once(autocast: Autocast, env: _Evaluation, region: Region, value):
+    """A result of a rounding kernel (`Kernel.rounded`), computed in float32, rounded to the
+    widest dtype the kernel reads as it leaves."""
+    dtype = _promoted(autocast, env, region)
     return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
             else value)
 
@@ -408,6 +418,12 @@ def _kernel_dtype(autocast: Autocast, env: _Evaluation, region: Region) -> np.dt
         return dtypes.FLOAT32
     if region.kernel == LOWER:
         return region.dtype
+    return _promoted(autocast, env, region)
+
+
+def _promoted(autocast: Autocast, env: _Evaluation, region: Region) -> np.dtype | None:
+    """The widest current dtype of the values a kernel's region reads (Python scalars
+    follow)."""
     return rules.widest(autocast.read(env, v).dtype for v in env.plan.kernel_reads[region]
                         if v in env.values and not env.facts.scalar_likes.follows(v))
 
