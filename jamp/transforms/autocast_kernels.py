@@ -1,9 +1,12 @@
 """torch kernels that autocast computes in float32 inside and rounds once at their output.
 
 torch's low-precision kernels accumulate in float32 and round their result once: `linear` and
-`addmm` add their bias to the float32 accumulator before rounding. A jaxpr writes such a kernel
-as several primitives, each of which would round; the interpreter recognizes the kernel
-(`autocast_dataflow.linear_kernels`) and computes it with the primitives here.
+`addmm` add their bias to the float32 accumulator before rounding; on the CPU, `gelu`,
+`softmax` and a product with a Python float compute a bfloat16 input in float32. A jaxpr
+writes such a kernel as several primitives, each of which would round; the interpreter
+recognizes the kernel (`autocast_dataflow.linear_kernels`, `Kernel(FP32, rounded=True)`
+function rules) and computes it with the primitives here, and rounds so that XLA keeps the
+rounding (`rounded`, `widened`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from jamp import _jax_internals as jx
 from jamp.policy.dtypes import FLOAT32
@@ -50,6 +54,32 @@ def matmul_in_float32(eqn, params: dict, low: np.dtype, lhs, rhs) -> Any:
     return matmul(lhs, rhs)
 
 
+# XLA allows excess precision by default (`--xla_allow_excess_precision`): it drops a pair of
+# casts float32 -> low -> float32, its own (a bfloat16 matmul or elementwise op that the CPU
+# computes in float32 and rounds) or autocast's, so a low value that is widened again (a
+# Linear's bfloat16 output read by GELU's float32 kernel, a score matmul's read by the float32
+# scaling that follows) would reach the float32 op unrounded: about a quarter of the results
+# then differ from torch's, which rounds. `reduce_precision` to the low dtype's bits is an op
+# XLA keeps, and a no-op on values that are already low: `rounded` puts it before a kernel's
+# rounding (for the low ops that XLA widens again), `widened` after a widening.
+
+
+def rounded(value, low: np.dtype) -> Any:
+    """A kernel's float32 `value` rounded once to `low`, a rounding XLA keeps."""
+    return lax.convert_element_type(_to_bits_of(value, low), low)
+
+
+def widened(value) -> Any:
+    """A low `value` widened to float32, holding the low values even where XLA dropped the
+    rounding that made them."""
+    return _to_bits_of(lax.convert_element_type(value, FLOAT32), value.dtype)
+
+
+def _to_bits_of(value, low: np.dtype) -> Any:
+    info = jax.numpy.finfo(low)
+    return lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def bias_in_float32(bias, shape) -> Any:
     """A layer's `bias`, already in its low dtype, broadcast to the layer's result `shape` and
     widened there to float32, for the kernel to add to its accumulator.
@@ -61,7 +91,7 @@ def bias_in_float32(bias, shape) -> Any:
     """
     @jax.custom_jvp
     def widen(b):
-        return jax.numpy.broadcast_to(b, shape).astype(FLOAT32)
+        return widened(jax.numpy.broadcast_to(b, shape))
 
     def jvp(primals, tangents):
         (b,), (db,) = primals, tangents
@@ -71,4 +101,4 @@ def bias_in_float32(bias, shape) -> Any:
     return widen(bias)
 
 
-__all__ = ["bias_in_float32", "matmul_in_float32"]
+__all__ = ["bias_in_float32", "matmul_in_float32", "rounded", "widened"]

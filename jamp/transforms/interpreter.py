@@ -108,6 +108,8 @@ def cast(x, dtype):
         return x
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x, dtype=dtype)
+    if dtypes.is_half_dtype(x.dtype) and dtype == dtypes.FLOAT32:
+        return autocast_kernels.widened(x)
     return lax.convert_element_type(x, dtype)
 
 
@@ -160,6 +162,8 @@ class _Evaluation(Env):
         # The bias adds of linear layers whose matmul returned float32, each with the dtype
         # its result is rounded to (see `_layer_matmul`).
         self.rounding: dict[int, np.dtype] = {}
+        # The results of the equations of a kernel run computed ahead (see `_kernel_run`).
+        self.computed: dict[jx.Var, Any] = {}
 
     @property
     def eqn_region(self) -> Region:
@@ -220,16 +224,16 @@ def _leave_kernel(autocast: Autocast, env: _Evaluation, activations, value):
     `autocast_rules.entered`)."""
     dtype = rules.widest(rules.entered(env.eqn_region, autocast.read(env, a).dtype,
                                        np.dtype(a.aval.dtype)) for a in activations)
-    return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
-            else value)
+    return (autocast_kernels.rounded(value, dtype)
+            if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32 else value)
 
 
 def _round_once(autocast: Autocast, env: _Evaluation, region: Region, value):
     """A result of a rounding kernel (`Kernel.rounded`), computed in float32, rounded to the
     widest dtype the kernel reads as it leaves."""
     dtype = _promoted(autocast, env, region)
-    return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
-            else value)
+    return (autocast_kernels.rounded(value, dtype)
+            if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32 else value)
 
 
 class _Casts:
@@ -315,6 +319,12 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
         return outs
     if env.index in env.rounding:
         return _layer_bias(env, eqn)
+    if env.index in env.plan.kernel_runs:
+        _kernel_run(autocast, env, env.plan.kernel_runs[env.index])
+    if eqn.outvars[0] in env.computed:
+        outs = [env.computed.pop(v) for v in eqn.outvars]
+        facts.note(eqn, outs)
+        return outs
     operands = [_operand(autocast, env, a) for a in eqn.invars]
     follower = facts.kernels.follower(eqn)
     if follower is not None:
@@ -346,14 +356,13 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
     if result in dtypes.HALF_DTYPES and env.index in env.plan.linears:
         return _layer_matmul(env, eqn, params, result, invals)
-    if result in dtypes.HALF_DTYPES and name in primitives.COMBINING and any(
-            o.follows and o.constant is not None and o.traced == dtypes.FLOAT32
-            and o.constant.astype(result) != o.constant for o in operands):
-        # A Python float the low dtype cannot hold (`x * 0.125` holds, `x * 0.3` does not):
-        # torch computes with it in float32 and rounds the result once.
-        wide_invals = [cast(autocast.read(env, a), dtypes.FLOAT32) if f else v
-                       for a, v, f in zip(eqn.invars, invals, floating, strict=True)]
-        outs = [cast(o, result) for o in jx.bind(eqn, eqn.params, wide_invals)]
+    if (result in dtypes.HALF_DTYPES and kernel is None and name in primitives.COMBINING
+            and any(_unheld_python_float(o, result) for o in operands)):
+        # torch computes with a Python float in float32 and rounds the result once.
+        in_float32 = [cast(autocast.read(env, a), dtypes.FLOAT32) if f else v
+                      for a, v, f in zip(eqn.invars, invals, floating, strict=True)]
+        outs = [autocast_kernels.rounded(o, result)
+                for o in jx.bind(eqn, eqn.params, in_float32)]
         facts.note(eqn, outs)
         return outs
     if result in dtypes.HALF_DTYPES and rules.accumulates_in_fp32(name, region, scalar):
@@ -368,6 +377,26 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     outs = jx.bind(eqn, params, invals)
     facts.note(eqn, outs)
     return outs
+
+
+def _kernel_run(autocast: Autocast, env: _Evaluation, run: dataflow.KernelRun) -> None:
+    """Computes a rounding kernel's equations as the program has them, in float32, from its
+    inputs widened inside one `jax.checkpoint`: the backward recomputes them from the low
+    inputs it saves, as torch's gelu and softmax backward kernels do. Their results wait in
+    `env.computed`; those read outside are rounded as they leave (`_round_once`)."""
+    outvars = [v for eqn in run.eqns for v in eqn.outvars]
+
+    def compute(*inputs):
+        values = {v: (cast(x, dtypes.FLOAT32) if rules.is_castable(x.dtype) else x)
+                  for v, x in zip(run.inputs, inputs, strict=True)}
+        for eqn in run.eqns:
+            invals = [autocast.read(env, a) if isinstance(a, jx.Literal) else values[a]
+                      for a in eqn.invars]
+            values.update(zip(eqn.outvars, jx.bind(eqn, eqn.params, invals), strict=True))
+        return [values[v] for v in outvars]
+
+    results = jax.checkpoint(compute)(*[autocast.read(env, v) for v in run.inputs])
+    env.computed.update(zip(outvars, results, strict=True))
 
 
 def _layer_matmul(env: _Evaluation, eqn, params, low: np.dtype, invals) -> list[Any]:
@@ -389,10 +418,18 @@ def _layer_bias(env: _Evaluation, eqn) -> list[Any]:
     operands = [env.values[a] for a in eqn.invars]
     operands[bias] = autocast_kernels.bias_in_float32(
         env.casts.read(eqn.invars[bias], low, saturating=True), eqn.outvars[0].aval.shape)
-    outs = [cast(jx.bind(eqn, eqn.params, operands)[0], low)]
+    outs = [autocast_kernels.rounded(jx.bind(eqn, eqn.params, operands)[0], low)]
     env.facts.kernels.mark(eqn.outvars)
     env.facts.note(eqn, outs)
     return outs
+
+
+def _unheld_python_float(operand: rules.Operand, low: np.dtype) -> bool:
+    """A Python float (a constant that follows the other operand) traced in float32 that
+    `low` cannot hold: `x * 0.125` holds, `x * 0.3` does not."""
+    constant = operand.constant
+    return (operand.follows and constant is not None and operand.traced == dtypes.FLOAT32
+            and constant.astype(low) != constant)
 
 
 def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, targets) -> list[Any]:
