@@ -145,3 +145,47 @@ def test_a_bias_gradient_is_summed_in_float32_and_rounded_once():
                       dtype=F16)
     sums = lowered_op_types(jax.grad(f, argnums=2), ACT, KERNEL, BIAS, op="reduce")
     assert sums == [("float32",) * 3] * 2   # the bias gradient's and the loss's
+
+
+def torch_linear(torch):
+    """torch's Linear holding KERNEL and BIAS."""
+    linear = torch.nn.Linear(64, 256)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(KERNEL.T.copy()))
+        linear.bias.copy_(torch.from_numpy(BIAS))
+    return linear
+
+
+def test_bfloat16_gelu_computes_in_float32_and_rounds_once_as_torch_s_kernel(torch):
+    # torch's CPU gelu reads the Linear's bfloat16 output, computes in float32 (1/sqrt(2) a
+    # float32 constant) and rounds once. Before: its constant and each step rounded (about a
+    # quarter of the outputs off torch's).
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.gelu(torch_linear(torch)(torch.from_numpy(ACT)))
+    got = bfloat16_of(lambda x, w, b: jax.nn.gelu(x @ w + b, approximate=False),
+                      ACT, KERNEL, BIAS)
+    assert (got == want.float().numpy()).mean() >= 0.99
+
+
+def test_bfloat16_attention_softmax_matches_torch_s_kernels(torch):
+    # Scores of two activations scaled by a Python float, then softmax: torch rounds the
+    # scores' matmul, scales at float32 and rounds, and its softmax computes in float32 and
+    # rounds once. Before: XLA dropped the matmul's rounding where the scaling widened it
+    # again (excess precision), and softmax rounded at each step (most probabilities off).
+    q, k = (ACT[:, :32].reshape(2, 16, 32), ACT[:, 32:].reshape(2, 16, 32))
+    scale = 1 / np.sqrt(32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        tq, tk = torch.from_numpy(q), torch.from_numpy(k)
+        want = torch.softmax(tq @ tk.transpose(-2, -1) * float(scale), dim=-1)
+    got = bfloat16_of(lambda q, k: jax.nn.softmax(q @ k.transpose(0, 2, 1) * float(scale)),
+                      q, k)
+    assert (got == want.float().numpy()).mean() >= 0.99
+
+
+def test_step0_bfloat16_loss_is_nearer_torch_s_than_torch_s_own_rounding(torch):
+    # The MLP of benchmarks/torch_training_parity.py at its initial weights: jamp's bfloat16
+    # loss is within half of the distance between torch's bfloat16 and float32 losses.
+    # Before: as far from torch's as torch's float32 loss (median ratio about 1).
+    mlp = parity.MODELS["mlp"]
+    ratios = parity.gap_ratios(mlp, mlp.batches(5, 32, seed=2))
+    assert np.median(ratios) <= 0.5
