@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from jamp import _jax_internals as jx
-from jamp.policy.dtypes import FLOAT32
+from jamp.policy.dtypes import BFLOAT16, FLOAT32
 
 
 def matmul_in_float32(eqn, params: dict, low: np.dtype, lhs, rhs) -> Any:
@@ -61,7 +61,9 @@ def matmul_in_float32(eqn, params: dict, low: np.dtype, lhs, rhs) -> Any:
 # scaling that follows) would reach the float32 op unrounded: about a quarter of the results
 # then differ from torch's, which rounds. `reduce_precision` to the low dtype's bits is an op
 # XLA keeps, and a no-op on values that are already low: `rounded` puts it before a kernel's
-# rounding (for the low ops that XLA widens again), `widened` after a widening.
+# rounding (for the low ops that XLA widens again), `widened` after a widening. bfloat16 only:
+# XLA's reduce_precision flushes float16's subnormals to zero, which loss-scaled float16
+# gradients need, so float16 roundings stay as XLA leaves them.
 
 
 def rounded(value, low: np.dtype) -> Any:
@@ -76,6 +78,8 @@ def widened(value) -> Any:
 
 
 def _to_bits_of(value, low: np.dtype) -> Any:
+    if low != BFLOAT16:
+        return value
     info = jax.numpy.finfo(low)
     return lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
