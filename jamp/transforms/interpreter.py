@@ -22,10 +22,14 @@ Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that comput
 of a float32 op (they run in float32 too), the results of normalization kernels (cast to
 their activation's dtype as they leave) and the values a promoting function kernel reads (see
 `jamp.policy.autocast_tables.Kernel`: a function a rule makes one torch kernel computes every op
-in the kernel's dtype). While it is evaluated, passes (`autocast_facts`) keep
-what is known of its values: which are constants of the program, which are scalar-like, which
-are weights, and which hold the low values of a linear layer's kernel. A weight that such a
-value is added to as a bias, or that it scales or gates, follows its dtype.
+in the kernel's dtype), the results of rounding kernels (`Kernel(FP32, rounded=True)`: gelu
+and softmax on the cpu table, computed in float32 under one `jax.checkpoint` and rounded once
+as they leave) and linear layers (their matmul accumulates in float32, the bias is added there
+and the sum rounded once); `autocast_kernels` holds how these kernels compute. While it is
+evaluated, passes (`autocast_facts`) keep what is known of its values: which are constants
+of the program, which are scalar-like, which are weights, and which hold the low values of a
+linear layer's kernel. A weight that such a value is added to as a bias, or that it scales or
+gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
