@@ -214,6 +214,12 @@ def with_result_dtype(params: dict, traced_in, new_in) -> dict:
     return dict(params, **changes) if changes else params
 
 
+def with_accumulator_dtype(params: dict, dtype) -> dict:
+    """A matmul's or convolution's `params` asking for its result in `dtype` (accumulated
+    there, never rounded below it)."""
+    return dict(params, **{key: dtype for key in _RESULT_DTYPE_PARAMS if key in params})
+
+
 # -- calls and the bodies of higher-order equations ------------------------------------------
 
 # Calls: one body (`call_body`) takes the equation's operands and returns its results, so

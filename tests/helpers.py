@@ -116,6 +116,13 @@ def hlo_op_types(text: str, op: str) -> list[tuple[str, ...]]:
     return found
 
 
+def low_matmul(types: tuple[str, ...], low: str) -> bool:
+    """Whether a matmul's (operands..., result) types are those of one lowered by autocast:
+    operands in `low`, the result too, or float32 where it is a linear layer's accumulator,
+    which its bias is added to before one rounding to `low`."""
+    return all(t == low for t in types[:-1]) and types[-1] in (low, "float32")
+
+
 def lowered_op_types(f, *args, op: str) -> list[tuple[str, ...]]:
     """`hlo_op_types` of `f` jitted and lowered for `args`."""
     return hlo_op_types(jax.jit(f).lower(*args).as_text(), op)

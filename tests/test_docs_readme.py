@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import doc_blocks
+from helpers import jaxpr_equations
 
 DOC = pathlib.Path(__file__).parents[1] / "README.md"
 
@@ -71,7 +72,8 @@ def _profile(ns):
 def _rules(ns):
     variables = ns["net"].init(jax.random.key(0), ns["images"])
     jaxpr = jax.make_jaxpr(lambda v, x: ns["ruled"](v, x, train=False))(variables, ns["images"])
-    dots = [e.invars[0].aval.dtype for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots = [e.invars[0].aval.dtype for e in jaxpr_equations(jaxpr.jaxpr)
+            if e.primitive.name == "dot_general"]
     assert dots == [jnp.float16, jnp.float32] and ns["logits"].dtype == jnp.float32
 
 

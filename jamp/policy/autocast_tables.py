@@ -303,9 +303,14 @@ class Kernel:
     Attributes:
       rule: `FP32` (float32), `LOWER` (the autocast dtype that applies) or `PROMOTE` (the
         widest dtype among the floating values the function reads, Python scalars aside).
+      rounded: the function's results leave it rounded once to the widest dtype among the
+        floating values it reads (Python scalars aside), not in the dtype it computes in:
+        torch's CPU `gelu` and `softmax` compute a bfloat16 input in float32 inside and
+        return bfloat16 (`Kernel(FP32, rounded=True)`).
     """
 
     rule: str
+    rounded: bool = False
 
     def __post_init__(self):
         if self.rule not in (FP32, LOWER, PROMOTE):
@@ -390,6 +395,11 @@ _LIST_FUNCTIONS = tuple((f"optax.losses.{name}", _FLOAT32_KERNEL) for name in (
     "huber_loss", "squared_error", "l2_loss", "hinge_loss", "multiclass_hinge_loss",
     "triplet_margin_loss")) + (
     ("flax.linen.PReLU", _LOWER_KERNEL), ("flax.nnx.PReLU", _LOWER_KERNEL))
+# torch's CPU kernels for ops on no list compute a bfloat16 input in float32 and round their
+# result once; jax.nn writes gelu (its 1/sqrt(2) a constant the program holds in float32) and
+# softmax as chains of primitives that would each round.
+_ROUNDED_ONCE = tuple((name, Kernel(FP32, rounded=True))
+                      for name in ("jax.nn.gelu", "jax.nn.softmax"))
 # torch's CPU float32 list: quantile and nanquantile (a sort and an interpolation in JAX), the
 # reflection and replication pads (jnp.pad in any mode: a rule names a function, not its
 # arguments). cosine_similarity is on no CPU list, but torch's kernel promotes its inputs before
@@ -397,7 +407,7 @@ _LIST_FUNCTIONS = tuple((f"optax.losses.{name}", _FLOAT32_KERNEL) for name in (
 _CPU_FUNCTIONS = _LIST_FUNCTIONS + (
     ("jax.numpy.quantile", _FLOAT32_KERNEL), ("jax.numpy.nanquantile", _FLOAT32_KERNEL),
     ("jax.numpy.pad", _FLOAT32_KERNEL), ("optax.losses.cosine_similarity", Kernel(PROMOTE)),
-)
+) + _ROUNDED_ONCE
 # torch's CUDA float32 list: __rtruediv__ (`scalar / x`: a `div`, which also implements
 # ordinary division) and cosine_similarity. jax.nn.gelu's tanh form is built on `x ** 3`, and
 # torch runs gelu as one low-precision kernel: there `integer_pow` follows its input.

@@ -58,14 +58,36 @@ class Plan:
         the dtype of the activation it normalized, each with the kernel's full-size inputs:
         the result takes their widest current dtype when that is below float32.
       linears: each linear layer's matmul index with its bias add's (see `linear_kernels`).
-      kernel_reads: per region of a function that is one promoting kernel (`Kernel(PROMOTE)`),
-        the floating values its equations read from outside it (see `kernel_reads`).
+      kernel_reads: per region of a function that is one promoting kernel (`Kernel(PROMOTE)`)
+        or one that rounds its results (`Kernel(..., rounded=True)`), the floating values its
+        equations read from outside it (see `kernel_reads`).
+      kernel_exits: the results of a rounding kernel read outside it, each with the kernel's
+        region: they leave it rounded to the widest dtype it reads (see `kernel_exits`).
+      kernel_runs: the rounding kernels that run as one rematerialized float32 function, by
+        the index of their first equation (see `kernel_runs`).
     """
 
     float32: frozenset[int]
     exits: Mapping[jx.Var, tuple[jx.Var, ...]]
     linears: Mapping[int, int] = dataclasses.field(default_factory=dict)
     kernel_reads: Mapping[Region, tuple[jx.Var, ...]] = dataclasses.field(default_factory=dict)
+    kernel_exits: Mapping[jx.Var, Region] = dataclasses.field(default_factory=dict)
+    kernel_runs: Mapping[int, "KernelRun"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRun:
+    """Consecutive equations of one rounding kernel, all first-order forward ops traced in
+    float32 (`jax.nn.gelu` of a float32 program): they compute the kernel as the program has
+    it, from its inputs widened to float32.
+
+    Attributes:
+      eqns: the equations, in order.
+      inputs: the values they read that they do not compute (literals aside).
+    """
+
+    eqns: tuple
+    inputs: tuple
 
 
 def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
@@ -80,7 +102,8 @@ def plan(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> Plan:
         # RMSNorm centres by a constant zero mean outside the statistics' chain).
         float32 = float32_equations(jaxpr, regions, float32 | epilogue)
         epilogue, exits = normalization_kernels(jaxpr, regions, float32)
-    return Plan(float32, exits, linears, kernel_reads(jaxpr, regions))
+    return Plan(float32, exits, linears, kernel_reads(jaxpr, regions),
+                kernel_exits(jaxpr, regions), kernel_runs(jaxpr, regions))
 
 
 def kernel_reads(jaxpr: jx.Jaxpr, regions: Sequence[Region]
@@ -91,7 +114,7 @@ def kernel_reads(jaxpr: jx.Jaxpr, regions: Sequence[Region]
     reads: dict[Region, dict] = {}
     inside: dict[Region, set] = {}
     for eqn, region in zip(jaxpr.eqns, regions, strict=True):
-        if region.kernel != PROMOTE:
+        if region.kernel != PROMOTE and not region.rounded:
             continue
         computed = inside.setdefault(region, set())
         found = reads.setdefault(region, {})
@@ -99,6 +122,47 @@ def kernel_reads(jaxpr: jx.Jaxpr, regions: Sequence[Region]
                      if _is_var(v) and _castable(v) and v not in computed)
         computed.update(eqn.outvars)
     return {region: tuple(found) for region, found in reads.items()}
+
+
+def kernel_exits(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> dict[jx.Var, Region]:
+    """The castable results of rounding kernels (torch's CPU `gelu` computes in float32 and
+    rounds once) that an equation outside the kernel reads or the jaxpr returns, each with
+    the kernel's region."""
+    made = {v: region for eqn, region in zip(jaxpr.eqns, regions, strict=True)
+            if region.rounded for v in eqn.outvars if _castable(v)}
+    exits = {v: made[v] for v in jaxpr.outvars if _is_var(v) and v in made}
+    for eqn, region in zip(jaxpr.eqns, regions, strict=True):
+        exits.update((v, made[v]) for v in eqn.invars
+                     if _is_var(v) and v in made and made[v] != region)
+    return exits
+
+
+def kernel_runs(jaxpr: jx.Jaxpr, regions: Sequence[Region]) -> dict[int, KernelRun]:
+    """The rounding kernels whose equations are consecutive first-order forward ops that read
+    and compute no floating value below float32, by the index of their first equation (see
+    `KernelRun`). Computed as one function under `jax.checkpoint`, such a kernel saves its
+    (low) inputs for the backward, as torch's does, not its float32 intermediates."""
+    runs: dict[int, KernelRun] = {}
+    eqns = jaxpr.eqns
+    i = 0
+    while i < len(eqns):
+        region = regions[i]
+        end = i
+        while end < len(eqns) and regions[end] == region and region.rounded:
+            end += 1
+        run = eqns[i:end]
+        if run and all(_computes_in_float32(e) for e in run):
+            made = {v for e in run for v in e.outvars}
+            inputs = {v: None for e in run for v in e.invars if _is_var(v) and v not in made}
+            runs[i] = KernelRun(tuple(run), tuple(inputs))
+        i = max(end, i + 1)
+    return runs
+
+
+def _computes_in_float32(eqn) -> bool:
+    return (not jx.bodies(eqn) and not jx.is_backward(eqn)
+            and all(not is_floating(v.aval) or v.aval.dtype == FLOAT32
+                    for v in (*eqn.invars, *eqn.outvars)))
 
 
 def float32_equations(jaxpr: jx.Jaxpr, regions: Sequence[Region],
@@ -597,7 +661,8 @@ def _passes(jaxpr: jx.Jaxpr, atom, invar, depth: int) -> bool:
 
 
 __all__ = [
-    "accumulating_carries", "float32_equations", "is_linear_layer", "kernel_reads",
+    "accumulating_carries", "float32_equations", "is_linear_layer", "kernel_exits",
+    "kernel_reads", "kernel_runs", "KernelRun",
     "linear_kernels", "moved_weight", "normalization_kernels", "Plan", "plan", "shape_key",
     "sums_to_scalar", "was_broadcast", "weights"
 ]

@@ -198,6 +198,10 @@ class Kernels:
                                                         if not isinstance(a, jx.Literal))):
             self._known.update(eqn.outvars)
 
+    def mark(self, outvars) -> None:
+        """Records values as a kernel's low results (a layer's output, rounded once)."""
+        self._known.update(outvars)
+
     def is_linear_layer(self, eqn, region: Region) -> bool:
         """torch's linear and conv (see `autocast_dataflow.is_linear_layer`)."""
         return dataflow.is_linear_layer(eqn, region, self._weights)

@@ -53,6 +53,8 @@ class Region:
       kernel: inside a function a rule makes one torch kernel
         (`jamp.policy.autocast_tables.Kernel`): its rule, `FP32`, `LOWER` or `PROMOTE`;
         else None.
+      rounded: the kernel's results leave it rounded to the widest dtype it reads
+        (`Kernel.rounded`).
       fp8: inside a module a precision rule (or the transform's dtype) sets to an fp8 recipe
         (`jamp.fp8.Recipe`): its linear layers' products run through `jamp.fp8`; else None.
       fp8_every: set by a function rule: every matmul and convolution in the function runs
@@ -71,6 +73,7 @@ class Region:
     entry_dtype: np.dtype | None = None
     scope: Any = None
     kernel: str | None = None
+    rounded: bool = False
     fp8: Any = None
     fp8_every: bool = False
     backward: bool = False
@@ -80,7 +83,7 @@ class Region:
         precision rule applies inside, as no region does)."""
         return dataclasses.replace(self, enabled=False, as_is=True, cast_inputs=None,
                                    forward=self, entry_dtype=None, scope=None, kernel=None,
-                                   fp8=None, fp8_every=False)
+                                   rounded=False, fp8=None, fp8_every=False)
 
 
 def marker(**fields) -> str:

@@ -22,10 +22,14 @@ Before a jaxpr is evaluated, `autocast_dataflow` marks the equations that comput
 of a float32 op (they run in float32 too), the results of normalization kernels (cast to
 their activation's dtype as they leave) and the values a promoting function kernel reads (see
 `jamp.policy.autocast_tables.Kernel`: a function a rule makes one torch kernel computes every op
-in the kernel's dtype). While it is evaluated, passes (`autocast_facts`) keep
-what is known of its values: which are constants of the program, which are scalar-like, which
-are weights, and which hold the low values of a linear layer's kernel. A weight that such a
-value is added to as a bias, or that it scales or gates, follows its dtype.
+in the kernel's dtype), the results of rounding kernels (`Kernel(FP32, rounded=True)`: gelu
+and softmax on the cpu table, computed in float32 under one `jax.checkpoint` and rounded once
+as they leave) and linear layers (their matmul accumulates in float32, the bias is added there
+and the sum rounded once); `autocast_kernels` holds how these kernels compute. While it is
+evaluated, passes (`autocast_facts`) keep what is known of its values: which are constants
+of the program, which are scalar-like, which are weights, and which hold the low values of a
+linear layer's kernel. A weight that such a value is added to as a bias, or that it scales or
+gates, follows its dtype.
 
 Each distinct sub-jaxpr is transformed once per program (per region, input types and constant
 inputs).
@@ -51,8 +55,9 @@ from jamp.policy import dtypes, primitives
 from jamp.policy.autocast_tables import FP32, LOWER
 from jamp.transforms import autocast_dataflow as dataflow
 from jamp.transforms import autocast_delayed
-from jamp.transforms import autocast_fp8
 from jamp.transforms import autocast_facts
+from jamp.transforms import autocast_fp8
+from jamp.transforms import autocast_kernels
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
@@ -126,6 +131,8 @@ def cast(x, dtype):
         return x
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x, dtype=dtype)
+    if dtypes.is_half_dtype(x.dtype) and dtype == dtypes.FLOAT32:
+        return autocast_kernels.widened(x)
     return lax.convert_element_type(x, dtype)
 
 
@@ -178,6 +185,11 @@ class _Evaluation(Env):
         # Where the jaxpr sits, for the delayed recipe's sites (see autocast_delayed).
         delayed = autocast.ctx.delayed
         self.where = autocast_delayed.Where() if delayed is None else delayed.where
+        # The bias adds of linear layers whose matmul returned float32, each with the dtype
+        # its result is rounded to (see `_layer_matmul`).
+        self.rounding: dict[int, np.dtype] = {}
+        # The results of the equations of a kernel run computed ahead (see `_kernel_run`).
+        self.computed: dict[jx.Var, Any] = {}
 
     @property
     def eqn_region(self) -> Region:
@@ -222,6 +234,8 @@ class Autocast(Interpreter):
             env.facts.bind(var, value, *env.inputs.get(var, (None, False)))
         elif var in env.plan.exits:
             value = _leave_kernel(self, env, env.plan.exits[var], value)
+        elif var in env.plan.kernel_exits:
+            value = _round_once(self, env, env.plan.kernel_exits[var], value)
         env.values[var] = value
 
     def default(self, env: _Evaluation, eqn: jx.JaxprEqn, invals: list) -> list:
@@ -236,8 +250,16 @@ def _leave_kernel(autocast: Autocast, env: _Evaluation, activations, value):
     `autocast_rules.entered`)."""
     dtype = rules.widest(rules.entered(env.eqn_region, autocast.read(env, a).dtype,
                                        np.dtype(a.aval.dtype)) for a in activations)
-    return (cast(value, dtype) if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32
-            else value)
+    return (autocast_kernels.rounded(value, dtype)
+            if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32 else value)
+
+
+def _round_once(autocast: Autocast, env: _Evaluation, region: Region, value):
+    """A result of a rounding kernel (`Kernel.rounded`), computed in float32, rounded to the
+    widest dtype the kernel reads as it leaves."""
+    dtype = _promoted(autocast, env, region)
+    return (autocast_kernels.rounded(value, dtype)
+            if dtype in dtypes.HALF_DTYPES and value.dtype == dtypes.FLOAT32 else value)
 
 
 class _Casts:
@@ -321,6 +343,14 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
         outs = jx.bind(eqn, eqn.params, [autocast.read(env, a) for a in eqn.invars])
         facts.note(eqn, outs)
         return outs
+    if env.index in env.rounding:
+        return _layer_bias(env, eqn)
+    if env.index in env.plan.kernel_runs:
+        _kernel_run(autocast, env, env.plan.kernel_runs[env.index])
+    if eqn.outvars[0] in env.computed:
+        outs = [env.computed.pop(v) for v in eqn.outvars]
+        facts.note(eqn, outs)
+        return outs
     operands = [_operand(autocast, env, a) for a in eqn.invars]
     follower = facts.kernels.follower(eqn)
     if follower is not None:
@@ -350,6 +380,17 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     # bfloat16 and a float32 input returns bfloat16, as torch's does.
     traced = rules.widest(o.traced for o in operands if o.traced is not None)
     params = eqn.params if wide else jx.with_result_dtype(eqn.params, traced, result)
+    if result in dtypes.HALF_DTYPES and env.index in env.plan.linears:
+        return _layer_matmul(env, eqn, params, result, invals)
+    if (result in dtypes.HALF_DTYPES and kernel is None and name in primitives.COMBINING
+            and any(_unheld_python_float(o, result) for o in operands)):
+        # torch computes with a Python float in float32 and rounds the result once.
+        in_float32 = [cast(autocast.read(env, a), dtypes.FLOAT32) if f else v
+                      for a, v, f in zip(eqn.invars, invals, floating, strict=True)]
+        outs = [autocast_kernels.rounded(o, result)
+                for o in jx.bind(eqn, eqn.params, in_float32)]
+        facts.note(eqn, outs)
+        return outs
     if result in dtypes.HALF_DTYPES and rules.accumulates_in_fp32(name, region, scalar):
         invals = [cast(v, dtypes.FLOAT32) if f else v
                   for v, f in zip(invals, floating, strict=True)]
@@ -362,6 +403,59 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     outs = jx.bind(eqn, params, invals)
     facts.note(eqn, outs)
     return outs
+
+
+def _kernel_run(autocast: Autocast, env: _Evaluation, run: dataflow.KernelRun) -> None:
+    """Computes a rounding kernel's equations as the program has them, in float32, from its
+    inputs widened inside one `jax.checkpoint`: the backward recomputes them from the low
+    inputs it saves, as torch's gelu and softmax backward kernels do. Their results wait in
+    `env.computed`; those read outside are rounded as they leave (`_round_once`)."""
+    outvars = [v for eqn in run.eqns for v in eqn.outvars]
+
+    def compute(*inputs):
+        values = {v: (cast(x, dtypes.FLOAT32) if rules.is_castable(x.dtype) else x)
+                  for v, x in zip(run.inputs, inputs, strict=True)}
+        for eqn in run.eqns:
+            invals = [autocast.read(env, a) if isinstance(a, jx.Literal) else values[a]
+                      for a in eqn.invars]
+            values.update(zip(eqn.outvars, jx.bind(eqn, eqn.params, invals), strict=True))
+        return [values[v] for v in outvars]
+
+    results = jax.checkpoint(compute)(*[autocast.read(env, v) for v in run.inputs])
+    env.computed.update(zip(outvars, results, strict=True))
+
+
+def _layer_matmul(env: _Evaluation, eqn, params, low: np.dtype, invals) -> list[Any]:
+    """The matmul of torch's `linear`, `conv` or `addmm` (see
+    `autocast_dataflow.linear_kernels`): its `low` operands accumulate in float32, and the
+    result stays float32 until its bias is added (`_layer_bias`)."""
+    env.rounding[env.plan.linears[env.index]] = low
+    env.facts.kernels.note(eqn, env.eqn_region, low)
+    outs = [autocast_kernels.matmul_in_float32(eqn, params, low, *invals)]
+    env.facts.note(eqn, outs)
+    return outs
+
+
+def _layer_bias(env: _Evaluation, eqn) -> list[Any]:
+    """The bias add that ends a linear layer's kernel: the bias, cast to the layer's low
+    dtype as torch casts it, is added to the float32 accumulator and the sum rounded once."""
+    low = env.rounding.pop(env.index)
+    bias = next(i for i, a in enumerate(eqn.invars) if a in env.facts.weights)
+    operands = [env.values[a] for a in eqn.invars]
+    operands[bias] = autocast_kernels.bias_in_float32(
+        env.casts.read(eqn.invars[bias], low, saturating=True), eqn.outvars[0].aval.shape)
+    outs = [autocast_kernels.rounded(jx.bind(eqn, eqn.params, operands)[0], low)]
+    env.facts.kernels.mark(eqn.outvars)
+    env.facts.note(eqn, outs)
+    return outs
+
+
+def _unheld_python_float(operand: rules.Operand, low: np.dtype) -> bool:
+    """A Python float (a constant that follows the other operand) traced in float32 that
+    `low` cannot hold: `x * 0.125` holds, `x * 0.3` does not."""
+    constant = operand.constant
+    return (operand.follows and constant is not None and operand.traced == dtypes.FLOAT32
+            and constant.astype(low) != constant)
 
 
 def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, targets) -> list[Any]:
@@ -396,6 +490,12 @@ def _kernel_dtype(autocast: Autocast, env: _Evaluation, region: Region) -> np.dt
         return dtypes.FLOAT32
     if region.kernel == LOWER:
         return region.dtype
+    return _promoted(autocast, env, region)
+
+
+def _promoted(autocast: Autocast, env: _Evaluation, region: Region) -> np.dtype | None:
+    """The widest current dtype of the values a kernel's region reads (Python scalars
+    follow)."""
     return rules.widest(autocast.read(env, v).dtype for v in env.plan.kernel_reads[region]
                         if v in env.values and not env.facts.scalar_likes.follows(v))
 

@@ -223,7 +223,7 @@ class Rule:
         elif isinstance(setting, OpRules):
             changes = dict(enabled=True, table=setting.applied_to(region.table))
         elif isinstance(setting, Kernel):
-            changes = dict(enabled=True, kernel=setting.rule)
+            changes = dict(enabled=True, kernel=setting.rule, rounded=setting.rounded)
         elif isinstance(setting, Recipe):
             # The module keeps the region's dtype; its linear layers' products (a function
             # rule's: all its products) run through jamp.fp8.
@@ -233,8 +233,8 @@ class Rule:
         if isinstance(setting, str) and setting == ON:
             changes.update(fp8=start.fp8, fp8_every=start.fp8_every)
         return dataclasses.replace(
-            region, **{"as_is": False, "entry_dtype": None, "kernel": None, "fp8": None,
-                       "fp8_every": False, **changes})
+            region, **{"as_is": False, "entry_dtype": None, "kernel": None, "rounded": False,
+                       "fp8": None, "fp8_every": False, **changes})
 
 
 class RuleSet:

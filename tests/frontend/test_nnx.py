@@ -95,8 +95,10 @@ def _lowered_step(model, optimizer) -> str:
 
 
 def _matmul_dtypes(text):
+    # The operands' type: a linear layer's matmul accumulates its result in float32, which its
+    # bias is added to before one rounding.
     found = re.findall(
-        r"stablehlo\.(?:convolution|dot_general).*?->\s*tensor<(?:[0-9?]+x)*(\w+)>", text)
+        r"stablehlo\.(?:convolution|dot_general).*?:\s*\(tensor<(?:[0-9?]+x)*(\w+)>", text)
     assert found, "no matmul or convolution in the lowered program"
     return set(found)
 

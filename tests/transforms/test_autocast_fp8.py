@@ -60,9 +60,10 @@ def test_rule_selects_the_blocks_linear_layers_and_the_head_stays_bfloat16(net):
                           rules=[("head", jnp.bfloat16), ("Block_*", TENSORWISE)])
     # Four Dense layers, each casting its input and its kernel to e4m3; the head none.
     assert float8_casts(apply, variables, x) == ["float8_e4m3fn"] * 8
-    # The head multiplies in bfloat16; the fp8 products multiply the float8 values with a
-    # float32 accumulator.
-    assert dot_dtypes(apply, variables, x).count(("bfloat16", "bfloat16")) == 1
+    # The head multiplies bfloat16 operands (accumulating in float32, where its bias is added,
+    # as torch's linear does); the fp8 products multiply the float8 values with a float32
+    # accumulator.
+    assert dot_dtypes(apply, variables, x).count(("bfloat16", "float32")) == 1
     assert dot_dtypes(apply, variables, x).count(("float8_e4m3fn", "float32")) == 4
     # The backward casts the output gradient to e5m2 (tensorwise's grad_input, grad_weight).
     grad = jax.grad(lambda v: apply(v, x).sum())
@@ -208,8 +209,8 @@ def test_initialize_apply_takes_fp8_rules(net, level):
                                                  opt_level=level, verbosity=0)
     apply = jamp.autocast(apply_fn, dtype=jnp.float16, rules=[("Block_*", TENSORWISE)])
     assert float8_casts(apply, amp_variables, x) == ["float8_e4m3fn"] * 8
-    # The head multiplies in float16 at both levels.
-    assert ("float16", "float16") in dot_dtypes(apply, amp_variables, x)
+    # The head multiplies float16 operands at both levels (accumulating in float32).
+    assert ("float16", "float32") in dot_dtypes(apply, amp_variables, x)
 
 
 def test_a_rule_every_equation_of_which_an_inner_region_sets_again_is_refused(net):

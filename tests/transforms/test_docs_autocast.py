@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import doc_blocks
+from helpers import jaxpr_equations
 
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "autocast.md"
 LOW = (jnp.float16, jnp.bfloat16)
@@ -92,7 +93,7 @@ def _custom(ns):
 
 
 def _dot_dtypes(fn, *args):
-    return [e.invars[0].aval.dtype for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return [e.invars[0].aval.dtype for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
             if e.primitive.name == "dot_general"]
 
 

@@ -2,6 +2,7 @@
 Dense+LayerNorm (and GroupNorm, RMSNorm), in linen and NNX, on both tables; biases and the
 activation memory they decide."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import jamp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import TransformerStack, next_token_loss, residual_bytes  # noqa: E402
 
-from helpers import BF16, F16, F32, eqn_dtypes, hlo_op_types, jaxpr_eqns, lowered_op_types, rel_err
+from helpers import (BF16, F16, F32, eqn_dtypes, hlo_op_types, jaxpr_eqns, low_matmul,
+                     lowered_op_types, rel_err)
 
 TABLES = [("cpu", BF16), ("cuda", F16)]
 FINFO_MIN = float(np.finfo(np.float32).min)
@@ -56,13 +58,12 @@ def test_linen_attention_with_padding_mask_trains(device_type, dtype):
     flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])
     assert rel_err(flat(grads), flat(want_grads)) < 5e-2
     # The matmuls still run in the low dtype: the fix is the constant, not the attention. The
-    # softmax follows the table: bfloat16 on the cpu table (torch's CPU list has no exp),
-    # float32 on the cuda table.
+    # softmax computes in float32 on both tables: torch's CPU softmax kernel computes in
+    # float32 and rounds once, torch's CUDA list holds softmax.
     text = jax.jit(lambda *a: auto(*a)).lower(variables["params"], x, mask).as_text()
     dots = hlo_op_types(text, "dot_general")
-    assert dots and all(t == (dtype.name,) * 3 for t in dots)
-    softmax = "bfloat16" if device_type == "cpu" else "float32"
-    assert hlo_op_types(text, "exponential") == [(softmax,)]
+    assert dots and all(low_matmul(t, dtype.name) for t in dots)
+    assert hlo_op_types(text, "exponential") == [("float32",)]
 
 
 ADDITIVE_MASKS = {
@@ -102,7 +103,7 @@ def test_additive_attention_masks_stay_finite(device_type):
         return jnp.sum(jax.nn.softmax(scores + make_bias(mask), axis=-1) ** 2)
 
     for name, make_bias in ADDITIVE_MASKS.items():
-        f = lambda q, mask: attention(q, mask, make_bias)
+        f = functools.partial(attention, make_bias=make_bias)
         value, grad = jax.jit(jax.value_and_grad(jamp.autocast(f, device_type=device_type)))(
             q, mask)
         assert np.isfinite(value) and np.isfinite(grad).all(), name
@@ -250,16 +251,19 @@ def test_norm_error_no_worse_than_hand_written_low_precision(norm, device_type, 
     variables = jax.jit(model.init)(jax.random.key(1), x)
     run = lambda m: jax.jit(lambda v, x: m.apply(v, x, mutable=["batch_stats"]))
     want, want_stats = run(model)(variables, x)
-    hand, hand_stats = run(LayerThenNorm(norm, dtype=dtype))(variables, x)
+    # The hand-written model rounded where it is written: by default XLA may drop a rounding
+    # to the low dtype that the next op widens again (excess precision), which autocast keeps
+    # (as torch does).
+    hand, hand_stats = run(LayerThenNorm(norm, dtype=dtype)).lower(variables, x).compile(
+        compiler_options={"xla_allow_excess_precision": False})(variables, x)
     auto, auto_stats = jax.jit(jamp.autocast(
         lambda v, x: model.apply(v, x, mutable=["batch_stats"]),
         device_type=device_type))(variables, x)
-    # Where both compute the same program (float32 statistics and normalization, one rounding
-    # at the end), XLA on the CPU may still round the layer's result in one and not the other.
     assert rel_err(auto, want) <= 1.02 * rel_err(hand, want)
     for a, h, w in zip(jax.tree.leaves(auto_stats), jax.tree.leaves(hand_stats),
                        jax.tree.leaves(want_stats)):
-        assert a.dtype == F32 and rel_err(a, w) <= rel_err(h, w)
+        # (The same float32 statistics; the two programs may sum them in another order.)
+        assert a.dtype == F32 and rel_err(a, w) <= rel_err(h, w) * (1 + 1e-4)
 
 
 # -- biases and activation memory ------------------------------------------------------------
@@ -278,8 +282,12 @@ def test_dense_and_conv_biases_follow_the_matmul(device_type, dtype):
     f = jamp.autocast(model.apply, device_type=device_type, cast_outputs=False)
     assert f(variables, x).dtype == dtype   # torch's linear returns the low dtype, bias included
     text = jax.jit(f).lower(variables, x).as_text()
-    # Both bias adds (and gelu's) run in the low dtype; no float32 add is left.
-    assert set(hlo_op_types(text, "add")) == {(dtype.name,)}
+    # Both bias adds are inside their layer's kernel: added to its float32 accumulator and
+    # rounded once. gelu's two adds run in the low dtype on the cuda table, in float32 inside
+    # its kernel on the cpu table (torch's CPU gelu); no other float32 add is left.
+    adds = hlo_op_types(text, "add")
+    float32_adds = 2 if device_type == "cuda" else 4
+    assert [t for t in adds if t != (dtype.name,)] == [("float32",)] * float32_adds
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
@@ -363,4 +371,4 @@ def test_closed_over_nnx_scan_over_layers():
     want_grad = nnx.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=1)(model, x)
     assert rel_err(grad, want_grad) < 3e-2
     dots = lowered_op_types(forward, x, op="dot_general")
-    assert dots and all(t == ("bfloat16",) * 3 for t in dots)
+    assert dots and all(low_matmul(t, "bfloat16") for t in dots)
