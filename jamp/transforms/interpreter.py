@@ -61,7 +61,7 @@ from jamp.transforms import autocast_kernels
 from jamp.transforms import autocast_rules as rules
 from jamp.transforms import rules as precision_rules
 from jamp.transforms.autocast_rules import Region
-from jamp.walker import control_flow
+from jamp.walker import control_flow, walk
 from jamp.walker.evaluate import Body, Env, Interpreter
 
 
@@ -755,6 +755,12 @@ def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     inside = _inside(autocast, env, eqn, refused="custom_jvp")
     with inside():
         call = specialized(primal, region, ctx, invals, _constants(env, eqn))
+    if _float8_values(call) > _float8_values(primal):
+        # Products an fp8 rule selects came in (a linear layer's kernel of an autocast
+        # nested inside, O1's apply function): they carry their own derivatives, the float8
+        # GEMMs of the recipe, which a jvp rule cannot run (JAX transposes what a jvp rule
+        # computes, and a float8 cast of a tangent is not linear). Differentiated through them.
+        return jx.eval_closed(call, list(invals))
 
     def body(closed, args):
         if closed is primal:
@@ -764,6 +770,12 @@ def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
             return autocast.run(closed, args, autocast.env_for(closed, region))
 
     return control_flow.custom_jvp(eqn, invals, body)[0]
+
+
+def _float8_values(closed: jx.ClosedJaxpr) -> int:
+    """How many float8 values the equations of `closed` (and of its bodies) compute."""
+    return sum(dtypes.dtype_of(v.aval) in dtypes.FP8_DTYPES for e in walk.equations(closed)
+               for v in e.outvars)
 
 
 class RetraceableCall:

@@ -278,3 +278,21 @@ def test_a_grad_inside_the_function_runs_its_backward_products_in_the_region_dty
     # grad_weight (the inner grad's primal product reaches no output).
     grad = jax.grad(lambda v: apply(v, x))
     assert float8_casts(grad, variables).count("float8_e5m2") == 2
+
+
+def test_a_custom_jvp_holding_a_linear_layer_is_differentiated_through_its_fp8_products():
+    # A jvp rule cannot run the float8 GEMMs' backward (JAX transposes what the rule computes,
+    # and a float8 cast of a tangent is not linear): the function is differentiated through
+    # the products' own rules, as the forward runs them.
+    @jax.custom_jvp
+    def layer(x, w):
+        return x @ w
+
+    layer.defjvp(lambda primals, tangents: (layer(*primals),
+                                            tangents[0] @ primals[1] + primals[0] @ tangents[1]))
+    x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
+    auto = jamp.autocast(lambda w: jnp.sum(layer(x, w).astype(jnp.float32)), dtype=TENSORWISE)
+    grad = jax.grad(auto)
+    np.testing.assert_allclose(grad(w), jax.grad(lambda w: jnp.sum(layer(x, w)))(w), rtol=1e-2)
+    # The output gradient cast to e5m2 for both backward GEMMs (grad_input, grad_weight).
+    assert float8_casts(grad, w).count("float8_e5m2") == 2
