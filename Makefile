@@ -14,7 +14,9 @@ endif
 VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(shell $(INTERPRETER) -c \
 	'import sys; print("%d.%d" % sys.version_info[:2])'))
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check -q
+# --no-compile: pip would byte-compile every file of every package (torch's thousands); Python
+# compiles the modules a run imports, once, when it first imports them.
+PIP := $(PY) -m pip --disable-pip-version-check -q --no-compile
 # The test-only oracle: torch's CPU build (`+cpu` names only that build, so where pip finds
 # none it installs nothing rather than the multi-GB CUDA build, and the parity tests skip),
 # and torchao, whose float8 training (emulated on the CPU) the fp8 recipes are checked against.
