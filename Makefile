@@ -16,7 +16,7 @@ VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(shell $(INTERPRETER) -c \
 PY := $(VENV)/bin/python
 # --no-compile: pip would byte-compile every file of every package (torch's thousands); Python
 # compiles the modules a run imports, once, when it first imports them.
-PIP := $(PY) -m pip --disable-pip-version-check -q --no-compile
+PIP_INSTALL := $(PY) -m pip --disable-pip-version-check -q install --no-compile
 # The test-only oracle: torch's CPU build (`+cpu` names only that build, so where pip finds
 # none it installs nothing rather than the multi-GB CUDA build, and the parity tests skip),
 # and torchao, whose float8 training (emulated on the CPU) the fp8 recipes are checked against.
@@ -29,14 +29,14 @@ $(PY):
 	$(INTERPRETER) -m venv $(VENV)
 
 $(VENV)/.installed-core: pyproject.toml | $(PY)
-	$(PIP) install -e '.[examples]'
+	$(PIP_INSTALL) -e '.[examples]'
 	touch $@
 
 # One install of everything the suite needs (the examples' extra included), so that a first
 # `make test` resolves and builds jamp once; it stands for the core install too.
 $(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PIP) install -e '.[test,examples,checkpoint]'
-	$(foreach pkg,$(ORACLE),$(PIP) install '$(pkg)' \
+	$(PIP_INSTALL) -e '.[test,examples,checkpoint]'
+	$(foreach pkg,$(ORACLE),$(PIP_INSTALL) '$(pkg)' \
 	    || echo "no $(pkg) for this Python: its parity tests will be skipped";)
 	touch $(VENV)/.installed-core $@
 
@@ -51,7 +51,7 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 $(VENV)/.installed-lint: pyproject.toml | $(PY)
-	$(PIP) install -e '.[lint]'
+	$(PIP_INSTALL) -e '.[lint]'
 	touch $@
 
 # Lint and type-check the package (seconds): the settings are in pyproject.toml.
@@ -61,7 +61,7 @@ lint: $(VENV)/.installed-lint
 
 # Not part of the set-up: the speed benchmarks, with the peers they are measured against.
 bench: $(VENV)/.installed-test
-	$(PIP) install -e '.[bench]'
+	$(PIP_INSTALL) -e '.[bench]'
 	cd benchmarks && ../$(PY) scaler_overhead.py && ../$(PY) autocast_overhead.py && ../$(PY) residual_memory.py && ../$(PY) sharded_memory.py && ../$(PY) anomaly_overhead.py && ../$(PY) precision_report_cost.py && ../$(PY) fp8_overhead.py
 
 clean:
