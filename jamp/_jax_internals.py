@@ -128,15 +128,6 @@ def name_stack(eqn: JaxprEqn):
     return eqn.source_info.name_stack
 
 
-def in_backward_pass(eqn: JaxprEqn) -> bool:
-    """Whether `eqn` was traced by a transposition (the backward pass of a `jax.grad`,
-    `jax.vjp` or `jax.linear_transpose` inside the traced function), as its name stack
-    records it. An equation of a call's body records only its own scopes: the call's
-    equation holds the mark. Not public: the name stack's `Transform` entries."""
-    return any(isinstance(entry, _source_info.Transform) and entry.name == "transpose"
-               for entry in eqn.source_info.name_stack.stack)
-
-
 @contextlib.contextmanager
 def equation_context(eqn: JaxprEqn):
     """Re-enters an equation's source info and context while re-binding it, as
@@ -741,8 +732,9 @@ def while_parts(params: dict) -> tuple[ClosedJaxpr, ClosedJaxpr, int, int]:
 
 def is_backward(eqn: JaxprEqn) -> bool:
     """True for an equation of a backward pass: `jax.grad`/`jax.vjp` put a `transpose`
-    transformation on the name stack of every equation they transpose. Not public: the name
-    stack's `Transform` entries are internal types."""
+    transformation on the name stack of every equation they transpose (an equation of a
+    call's body records only its own scopes: the call's equation holds the mark). Not
+    public: the name stack's `Transform` entries are internal types."""
     return any(isinstance(entry, _source_info.Transform) and entry.name == "transpose"
                for entry in eqn.source_info.name_stack.stack)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 
@@ -36,12 +36,13 @@ PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 GEMM_MULTIPLE = 16
 
 
-def runs_in_fp8(eqn, region: Region, linear_layer: bool) -> bool:
-    """Whether `eqn` runs through `jamp.fp8` in `region` (`linear_layer`: the facts say it is
-    one, see the module docstring). A product of a backward pass the traced function runs
-    itself (its own `jax.grad`) does not: see the module docstring."""
+def runs_in_fp8(eqn, region: Region, is_linear_layer: Callable[[], bool]) -> bool:
+    """Whether `eqn` runs through `jamp.fp8` in `region` (`is_linear_layer`: whether the
+    facts say it is one, see the module docstring; asked only for a product of an fp8
+    region). A product of a backward pass the traced function runs itself (its own
+    `jax.grad`) does not: see the module docstring."""
     return (region.enabled and region.fp8 is not None and not region.backward
-            and eqn.primitive.name in PRODUCTS and (linear_layer or region.fp8_every))
+            and eqn.primitive.name in PRODUCTS and (region.fp8_every or is_linear_layer()))
 
 
 def product(eqn, lhs, rhs, region: Region, path: Sequence[str],

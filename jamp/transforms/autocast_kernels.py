@@ -21,8 +21,8 @@ from jamp import _jax_internals as jx
 from jamp.policy.dtypes import BFLOAT16, FLOAT32
 
 
-def matmul_in_float32(eqn, params: dict, low: np.dtype, lhs, rhs) -> Any:
-    """A matmul or convolution (`eqn`, with `params` for its `low` dtype result) of two `low`
+def matmul_in_float32(eqn, params: dict, lhs, rhs) -> Any:
+    """A matmul or convolution (`eqn`, with `params` for its low dtype result) of two low
     operands, its result accumulated and returned in float32, unrounded, for the kernel
     around it to finish and round once.
 

@@ -111,6 +111,12 @@ def parse_markers(stack_text: str) -> tuple[tuple[tuple[str, str], ...], ...]:
     return tuple(found)
 
 
+def sets_its_own_dtype(fields) -> bool:
+    """Whether a region marker's `fields` (a `jamp.autocast` region's) set the dtype or turn
+    autocast on or off: what it sets replaces what the region around it set."""
+    return bool({"device", "dtype", "enabled"} & dict(fields).keys())
+
+
 def apply_markers(region: Region, markers) -> Region:
     """Folds a name stack's markers, outermost first, onto the enclosing region."""
     for fields in markers:
@@ -127,7 +133,7 @@ def apply_markers(region: Region, markers) -> Region:
         if "enabled" in fields:
             changes["enabled"] = fields["enabled"] == "1"
             changes["as_is"] = fields.get("as_is") == "1"
-        if {"device", "dtype", "enabled"} & fields.keys():
+        if sets_its_own_dtype(fields):
             changes["entry_dtype"] = None  # a region inside a ruled module sets its own
         if {"device", "dtype"} & fields.keys():
             # A region that names its dtype runs in it, also inside an fp8 module.
@@ -294,5 +300,5 @@ def _promote(operands: Sequence[Operand], castable, saturate: bool) -> list[np.d
 __all__ = [
     "accumulates_in_fp32", "apply_markers", "entered", "finite_range",
     "input_targets", "is_castable", "marker", "MARKER_PREFIX", "Operand",
-    "overflows", "parse_markers", "PINNED", "Region", "widest"
+    "overflows", "parse_markers", "PINNED", "Region", "sets_its_own_dtype", "widest"
 ]

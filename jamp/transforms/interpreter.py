@@ -105,7 +105,7 @@ class Context:
             found = location.region
             # Rules fold a region from the transform's own: the mark of a backward pass
             # (the equation's, or its enclosing call's) is carried in.
-            if region.backward or jx.in_backward_pass(eqn):
+            if region.backward or jx.is_backward(eqn):
                 found = dataclasses.replace(found, backward=True)
             self.regions[key] = found
             if scope is not None:
@@ -369,9 +369,9 @@ def _first_order(autocast: Autocast, env: _Evaluation, eqn) -> list[Any]:
     bias = follower if name in primitives.ADDITIVE else None
     invals = [env.casts.read(a, t, saturating=i == bias)
               for i, (a, t) in enumerate(zip(eqn.invars, targets, strict=True))]
-    if not wide and autocast_fp8.runs_in_fp8(eqn, region,
-                                             facts.kernels.is_linear_layer(eqn, region)):
-        return _fp8_product(autocast, env, eqn, targets)
+    if not wide and autocast_fp8.runs_in_fp8(
+            eqn, region, lambda: facts.kernels.is_linear_layer(eqn, region)):
+        return _fp8_product(autocast, env, eqn, invals[0])
     # Inputs of one traced dtype now share one (`_promote`); a dot product traced with mixed
     # inputs (jnp.matmul of bfloat16 and float32) computes in their promotion, as traced.
     result = rules.widest(v.dtype for v, f in zip(invals, floating, strict=True) if f)
@@ -431,7 +431,7 @@ def _layer_matmul(env: _Evaluation, eqn, params, low: np.dtype, invals) -> list[
     result stays float32 until its bias is added (`_layer_bias`)."""
     env.rounding[env.plan.linears[env.index]] = low
     env.facts.kernels.note(eqn, env.eqn_region, low)
-    outs = [autocast_kernels.matmul_in_float32(eqn, params, low, *invals)]
+    outs = [autocast_kernels.matmul_in_float32(eqn, params, *invals)]
     env.facts.note(eqn, outs)
     return outs
 
@@ -458,11 +458,10 @@ def _unheld_python_float(operand: rules.Operand, low: np.dtype) -> bool:
             and constant.astype(low) != constant)
 
 
-def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, targets) -> list[Any]:
-    """A linear layer in a module set to an fp8 recipe (`autocast_fp8`): the input read in the
-    dtype the rules give it, the weight in its own."""
+def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, lhs) -> list[Any]:
+    """A linear layer in a module set to an fp8 recipe (`autocast_fp8`): the input `lhs` read
+    in the dtype the rules give it, the weight in its own."""
     region = env.eqn_region
-    lhs = env.casts.read(eqn.invars[0], targets[0])
     rhs = autocast.read(env, eqn.invars[1])
     path = () if region.scope is None else precision_rules.module_path((), region.scope.names)
     state = None
@@ -598,10 +597,11 @@ def _inside(autocast: Autocast, env: _Evaluation, eqn, refused: str | None = Non
 
 def _jit_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     delayed = autocast.ctx.delayed
-    if delayed is not None and delayed.has_sites(delayed.body(env.where, env.index, eqn)):
+    if delayed is not None and delayed.has_sites(where := delayed.body(env.where, env.index,
+                                                                         eqn)):
         # Inlined: its delayed sites read their states by address, which a body shared by
         # the calls of one function would not tell apart.
-        with _inside(autocast, env, eqn)():
+        with delayed.inside(where):
             body = autocast.body(lambda closed: autocast.env_for(closed, env.eqn_region,
                                                                  _constants(env, eqn)))
             return control_flow.call(eqn, invals, body)[0]
@@ -755,7 +755,7 @@ def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     inside = _inside(autocast, env, eqn, refused="custom_jvp")
     with inside():
         call = specialized(primal, region, ctx, invals, _constants(env, eqn))
-    if _float8_values(call) > _float8_values(primal):
+    if _may_run_fp8(region) and _float8_values(call) > _float8_values(primal):
         # Products an fp8 rule selects came in (a linear layer's kernel of an autocast
         # nested inside, O1's apply function): they carry their own derivatives, the float8
         # GEMMs of the recipe, which a jvp rule cannot run (JAX transposes what a jvp rule
@@ -772,9 +772,16 @@ def _custom_jvp_rule(autocast: Autocast, env: _Evaluation, eqn, invals):
     return control_flow.custom_jvp(eqn, invals, body)[0]
 
 
+def _may_run_fp8(region: Region) -> bool:
+    """Whether products in `region` (or in modules inside it) may run through `jamp.fp8`:
+    its own recipe, or a rule that sets one."""
+    return region.fp8 is not None or (region.scope is not None
+                                      and region.scope.rules.sets_recipes)
+
+
 def _float8_values(closed: jx.ClosedJaxpr) -> int:
     """How many float8 values the equations of `closed` (and of its bodies) compute."""
-    return sum(dtypes.dtype_of(v.aval) in dtypes.FP8_DTYPES for e in walk.equations(closed)
+    return sum(dtypes.is_fp8_dtype(dtypes.dtype_of(v.aval)) for e in walk.equations(closed)
                for v in e.outvars)
 
 

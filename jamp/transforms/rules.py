@@ -47,7 +47,8 @@ from jamp.fp8.recipes import Recipe, check_recipe
 from jamp.policy.autocast_tables import (
     OFF, ON, Kernel, OpRules, OpTable, Setting, check_setting)
 from jamp.policy.dtypes import is_fp8_dtype
-from jamp.transforms.autocast_rules import MARKER_PREFIX, Region, apply_markers, parse_markers
+from jamp.transforms.autocast_rules import (MARKER_PREFIX, Region, apply_markers, parse_markers,
+                                          sets_its_own_dtype)
 
 _NONE: frozenset[int] = frozenset()
 
@@ -243,6 +244,7 @@ class RuleSet:
     def __init__(self, rules: Sequence[Rule]):
         self.rules = tuple(rules)
         self.modules = any(r.segments for r in self.rules)
+        self.sets_recipes = any(isinstance(r.setting, Recipe) for r in self.rules)
         by_code: dict = {}
         for i, rule in enumerate(self.rules):
             for code in rule.codes:
@@ -460,8 +462,7 @@ def _fold(scope: Scope, names: Sequence[str], choice: tuple[int, int] | None
         if name.startswith(MARKER_PREFIX):
             markers = parse_markers(name)
             region = apply_markers(region, markers)
-            overridden |= applied and any(
-                {"device", "dtype", "enabled"} & dict(fields).keys() for fields in markers)
+            overridden |= applied and any(map(sets_its_own_dtype, markers))
         elif _extends(path, name):
             path.append(name)
             if len(path) == depth:
