@@ -463,7 +463,11 @@ def _fp8_product(autocast: Autocast, env: _Evaluation, eqn, lhs) -> list[Any]:
     in the dtype the rules give it, the weight in its own."""
     region = env.eqn_region
     rhs = autocast.read(env, eqn.invars[1])
-    path = () if region.scope is None else precision_rules.module_path((), region.scope.names)
+    # Its module path: module rules' scope holds it; without them (a recipe given as the
+    # transform's dtype) it is read from where the jaxpr sits and the equation's own scopes.
+    path = (precision_rules.module_path((), region.scope.names)
+            if region.scope is not None and region.scope.rules.modules
+            else precision_rules.module_path((), (*env.where.names, *jx.scope_names(eqn))))
     state = None
     if region.fp8.scaling == "delayed":
         delayed = autocast.ctx.delayed

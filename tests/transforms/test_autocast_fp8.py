@@ -174,11 +174,15 @@ def test_a_layer_fp8_gemms_cannot_serve_is_named_with_its_shape():
 
     model = WithNarrow()
     variables = model.init(jax.random.key(0), x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jax.make_jaxpr(jamp.autocast(model.apply, rules=[("narrow", TENSORWISE)]))(variables, x)
-    messages = [str(w.message) for w in caught if issubclass(w.category, Fp8ShapeWarning)]
-    assert len(messages) == 1 and "'WithNarrow/narrow'" in messages[0] and "(16, 10)" in messages[0]
+    # Selected by a rule, or by the recipe as autocast's dtype (no rules): named the same.
+    for transformed in (jamp.autocast(model.apply, rules=[("narrow", TENSORWISE)]),
+                        jamp.autocast(model.apply, dtype=TENSORWISE)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.make_jaxpr(transformed)(variables, x)
+        messages = [str(w.message) for w in caught if issubclass(w.category, Fp8ShapeWarning)]
+        assert len(messages) == 1 and "'WithNarrow/narrow'" in messages[0]
+        assert "(16, 10)" in messages[0]
 
 
 def test_shard_map_and_custom_vjp_bodies_run_their_linear_layers_in_fp8():
