@@ -33,6 +33,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from jamp.profile import hlo  # noqa: E402
+
 TARGET = 1 / 8 * 1.05
 _ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
 
@@ -47,11 +49,8 @@ def all_gather_bytes(compiled_text: str) -> dict[str, int]:
     """Bytes each element type's all-gathers produce per device, in a compiled program."""
     found: dict[str, int] = {}
     for kind, dims in _ALL_GATHER.findall(compiled_text):
-        size = int(np.prod([int(d) for d in dims.split(",") if d]))
-        # bf16 -> 2; the float8 types' names (f8e4m3fn) hold more digits than their width.
-        itemsize = 1 if kind == "pred" or kind.startswith("f8") else int(
-            re.sub(r"\D", "", kind)) // 8
-        found[kind] = found.get(kind, 0) + size * itemsize
+        array, = hlo.parse_types(f"{kind}[{dims}]")
+        found[kind] = found.get(kind, 0) + array.nbytes
     return found
 
 

@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 
 import jamp
+from jamp.profile import hlo
 
 from helpers import hlo_op_types, jaxpr_eqns
 
@@ -151,8 +152,8 @@ def partitioned(lowered, directory) -> str:
 
 
 def gathered_bytes(gathers: list[tuple[str, int]]) -> int:
-    return sum(n * (1 if kind.startswith("f8") else int(re.sub(r"\D", "", kind)) // 8)
-               for kind, n in gathers)
+    """Bytes of (HLO element type, element count) all-gathers."""
+    return sum(n * hlo.parse_types(f"{kind}[]")[0].nbytes for kind, n in gathers)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
