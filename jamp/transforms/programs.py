@@ -124,8 +124,7 @@ class Program:
         if region.scope is not None:
             ctx, = contexts
             precision_rules.check_matched(region.scope.rules, ctx.decided, ctx.places,
-                                          getattr(fn, "__qualname__", repr(fn)),
-                                          ctx.overridden)
+                                          traced.fn_name, ctx.overridden)
         cacheable = (cacheable and traced.cacheable and call.key is not None
                      and not any(jx.is_tracer(c) for c in jaxpr.consts))
         return cls(jaxpr, lifted, traced.result, traced.writes, cacheable,
