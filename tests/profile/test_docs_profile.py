@@ -63,7 +63,11 @@ def test_blocks_run_and_do_what_the_text_says(capsys):
         printed = capsys.readouterr().out.splitlines()
         shown = next(b for b in doc_blocks.blocks(DOC) if b.language == "text").code.splitlines()
         assert printed[1].split() == shown[1].split()
-        assert {line.split()[0] for line in printed[3:6]} == {"step", "jit_mlp", "hidden"}
+        # Sorted by total CPU time: `step` holds every other range, so it comes first; where
+        # `hidden` falls among jit_mlp's op rows depends on a few microseconds of timing.
+        names = [line.split()[0] for line in printed[3:printed.index(printed[2], 3)]]
+        assert names[0] == "step" and {"jit_mlp", "hidden"} <= set(names)
+        assert all(name in rows for name in names)
         assert [line for line in printed if line][-1].startswith("Self CPU time total: ")
 
     doc_blocks.run_document(DOC, checks={
